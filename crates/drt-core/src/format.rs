@@ -1,0 +1,293 @@
+//! The on-disk format: directory layout, the manifest, shard headers and checksums.
+//!
+//! ```text
+//! <name>/manifest.json            written last and atomically; names every other file
+//! <name>/shards/NNNNN.bin         SHARD_MAGIC header, then records back to back, aligned
+//! <name>/index.arrow              sample_id -> shard, offset, length, checksum
+//! <name>/metadata/vNNNNN.parquet  metadata versions; the manifest names the live one
+//! ```
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, IoContext, Result};
+
+/// The format version this build writes, and the newest it reads.
+pub const FORMAT_VERSION: u64 = 1;
+/// The name of the manifest file inside a cache directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The name of the index file inside a cache directory.
+pub const INDEX_FILE: &str = "index.arrow";
+/// The directory that holds the payload shards.
+pub const SHARDS_DIR: &str = "shards";
+/// The directory that holds the metadata versions.
+pub const METADATA_DIR: &str = "metadata";
+/// The first bytes of every shard file.
+pub const SHARD_MAGIC: &[u8; 8] = b"DRTSHRD1";
+/// Size of a shard's header; the first record starts at or after this offset.
+pub const SHARD_HEADER_LEN: u64 = 64;
+/// The longest cache name accepted.
+pub const MAX_NAME_LEN: usize = 200;
+
+/// A file of a cache as the manifest records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// Path relative to the cache directory.
+    pub file: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// xxh3-64 of the whole file, as 16 lowercase hex digits.
+    pub checksum: String,
+}
+
+/// The manifest: the one file that makes a directory a cache.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version the cache was written with.
+    pub format_version: u64,
+    /// The cache's name (its directory name).
+    pub name: String,
+    /// Unique per build.
+    pub cache_id: String,
+    /// Number of records.
+    pub num_samples: u64,
+    /// Sum of the records' lengths (padding excluded).
+    pub nbytes: u64,
+    /// Alignment of every record's first byte within its shard.
+    pub alignment: u64,
+    /// How the records were serialized: `pickle`, `dill`, or `custom:<qualified name>`.
+    pub serializer: String,
+    /// Compression of the records; `none` is the only one so far.
+    pub compression: String,
+    /// UTC creation time, ISO 8601.
+    pub created_at: String,
+    /// The payload shards in id order.
+    pub shards: Vec<FileEntry>,
+    /// The sample index.
+    pub index: FileEntry,
+    /// The live metadata version (`metadata/vNNNNN.parquet`).
+    pub metadata_version: u32,
+}
+
+impl Manifest {
+    /// Reads and checks the manifest of the cache in `dir`.
+    pub fn read(dir: &Path) -> Result<Manifest> {
+        let path = dir.join(MANIFEST_FILE);
+        let text = std::fs::read(&path).at(&path)?;
+        let value: serde_json::Value = serde_json::from_slice(&text)
+            .map_err(|e| Error::corrupt(&path, format!("not valid JSON: {e}")))?;
+        // The version is checked before the rest, so that a newer format gets the right error
+        // even when its other fields changed.
+        let found = value
+            .get("format_version")
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| Error::corrupt(&path, "no integer format_version"))?;
+        if found > FORMAT_VERSION {
+            return Err(Error::UnsupportedVersion {
+                path,
+                found,
+                supported: FORMAT_VERSION,
+            });
+        }
+        let manifest: Manifest = serde_json::from_value(value)
+            .map_err(|e| Error::corrupt(&path, format!("malformed manifest: {e}")))?;
+        manifest.check(&path)?;
+        Ok(manifest)
+    }
+
+    /// Writes the manifest into `dir` atomically (temporary file, fsync, rename).
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let text = serde_json::to_vec_pretty(self)
+            .map_err(|e| Error::InvalidArgument(format!("cannot encode manifest: {e}")))?;
+        write_atomic(&dir.join(MANIFEST_FILE), &text)
+    }
+
+    /// The relative path of metadata version `version`.
+    pub fn metadata_file(version: u32) -> String {
+        format!("{METADATA_DIR}/v{version:05}.parquet")
+    }
+
+    fn check(&self, path: &Path) -> Result<()> {
+        crate::ensure_intact!(
+            self.alignment.is_power_of_two() && self.alignment <= 4096,
+            path,
+            "alignment {} is not a power of two up to 4096",
+            self.alignment
+        );
+        crate::ensure_intact!(
+            self.compression == "none",
+            path,
+            "unknown compression {:?}",
+            self.compression
+        );
+        for entry in self.shards.iter().chain(std::iter::once(&self.index)) {
+            crate::ensure_intact!(
+                is_plain_relative(&entry.file),
+                path,
+                "file entry {:?} leaves the cache directory",
+                entry.file
+            );
+        }
+        crate::ensure_intact!(
+            self.shards.len() <= u32::MAX as usize,
+            path,
+            "too many shards"
+        );
+        Ok(())
+    }
+}
+
+/// A relative path with no `..`, no root and no empty components.
+fn is_plain_relative(file: &str) -> bool {
+    !file.is_empty()
+        && !file.starts_with('/')
+        && file
+            .split('/')
+            .all(|part| !part.is_empty() && part != "." && part != "..")
+}
+
+/// The relative path of shard `id`.
+pub fn shard_file(id: u32) -> String {
+    format!("{SHARDS_DIR}/{id:05}.bin")
+}
+
+/// Checks that `name` can serve as a cache's directory name under a root.
+pub fn validate_name(name: &str) -> Result<()> {
+    let invalid = |why: String| {
+        Err(Error::InvalidName {
+            name: name.to_string(),
+            why,
+        })
+    };
+    if name.is_empty() {
+        return invalid("it is empty".into());
+    }
+    if name.len() > MAX_NAME_LEN {
+        return invalid(format!("it is longer than {MAX_NAME_LEN} bytes"));
+    }
+    if name.contains(['/', '\\']) {
+        return invalid("it contains a path separator; use '-' or '_' instead".into());
+    }
+    if name.starts_with('.') {
+        return invalid("it starts with '.', which is reserved for temporary files".into());
+    }
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "._+=@-".contains(c);
+    if let Some(c) = name.chars().find(|c| !allowed(*c)) {
+        return invalid(format!(
+            "character {c:?} is not allowed; use letters, digits and . _ + = @ -"
+        ));
+    }
+    Ok(())
+}
+
+/// Formats an xxh3-64 digest the way the manifest stores it.
+pub fn checksum_hex(digest: u64) -> String {
+    format!("{digest:016x}")
+}
+
+/// A fresh cache id: 12 lowercase hex digits from the OS's random source.
+pub fn new_cache_id() -> Result<String> {
+    let mut bytes = [0u8; 6];
+    getrandom::fill(&mut bytes).map_err(|e| Error::Io {
+        path: "<random source>".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ`.
+pub fn utc_now_iso() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    iso_from_unix(secs)
+}
+
+fn iso_from_unix(secs: i64) -> String {
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Civil-from-days (Howard Hinnant's algorithm), valid for the proleptic Gregorian calendar.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Writes `bytes` to `path` through a temporary sibling, fsyncs it and renames it into place,
+/// so that readers see the old file or the new one, never a torn one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut file = std::fs::File::create(&tmp).at(&tmp)?;
+        file.write_all(bytes).at(&tmp)?;
+        file.sync_all().at(&tmp)?;
+        std::fs::rename(&tmp, path).at(path)?;
+        if let Some(parent) = path.parent() {
+            sync_dir(parent)?;
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Flushes a directory's entries to disk, so that a rename inside it survives a power loss.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir).at(dir)?.sync_all().at(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_would_escape_or_hide_are_refused() {
+        for bad in ["", ".", "..", "../x", "a/b", "a\\b", ".hidden", "a b", "é"] {
+            assert!(validate_name(bad).is_err(), "{bad:?} was accepted");
+        }
+        for good in ["digits-v1", "mnist_train.2026", "a+b=c@d", "X"] {
+            validate_name(good).unwrap();
+        }
+        assert!(validate_name(&"a".repeat(MAX_NAME_LEN + 1)).is_err());
+    }
+
+    #[test]
+    fn iso_dates_match_known_instants() {
+        assert_eq!(iso_from_unix(0), "1970-01-01T00:00:00Z");
+        assert_eq!(iso_from_unix(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(iso_from_unix(1_796_282_444), "2026-12-03T07:20:44Z");
+    }
+
+    #[test]
+    fn cache_ids_are_fresh_hex() {
+        let a = new_cache_id().unwrap();
+        let b = new_cache_id().unwrap();
+        assert_eq!(a.len(), 12);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn plain_relative_paths_only() {
+        assert!(is_plain_relative("shards/00000.bin"));
+        for bad in ["", "/etc/passwd", "../x", "a//b", "a/./b", "shards/../../x"] {
+            assert!(!is_plain_relative(bad), "{bad:?}");
+        }
+    }
+}

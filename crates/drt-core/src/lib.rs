@@ -1,0 +1,20 @@
+//! The engine of dataset_rt: the on-disk format of a cache, the shard writer, the mapped
+//! index and shard reader, and the weight arithmetic behind the Polars expressions.
+//!
+//! Nothing here knows about Python or Polars: `drt-python` binds this crate to Python and
+//! `drt-polars` exposes its column functions as Polars expression plugins.
+//!
+//! A cache is written by a [`writer::CacheWriter`] into a build directory handed out by a
+//! [`store::Store`], published atomically under its name, and read by a
+//! [`reader::CacheReader`].
+
+pub mod error;
+pub mod format;
+pub mod index;
+pub mod reader;
+pub mod store;
+pub mod weights;
+pub mod write_behind;
+pub mod writer;
+
+pub use error::{Error, Result};

@@ -1,0 +1,383 @@
+//! Reading a cache: the manifest, the mapped index and the mapped payload shards.
+//!
+//! Opening checks every file's size against the manifest and parses the index's footer, but
+//! reads no payload byte; each read checks the record's bounds against its mapped shard.
+
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::error::{Error, IoContext, Result};
+use crate::format::{checksum_hex, FileEntry, Manifest, SHARD_HEADER_LEN, SHARD_MAGIC};
+use crate::index::{Index, Location};
+
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+}
+
+/// An open cache.
+pub struct CacheReader {
+    dir: PathBuf,
+    manifest: Manifest,
+    index: Index,
+    shards: Vec<Shard>,
+}
+
+impl std::fmt::Debug for CacheReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheReader")
+            .field("dir", &self.dir)
+            .field("name", &self.manifest.name)
+            .field("num_samples", &self.manifest.num_samples)
+            .finish()
+    }
+}
+
+/// Checks that the file behind `entry` exists with the size the manifest records.
+fn check_size(dir: &Path, entry: &FileEntry) -> Result<PathBuf> {
+    let path = dir.join(&entry.file);
+    let meta = std::fs::metadata(&path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            Error::corrupt(&path, "file is missing")
+        } else {
+            Error::Io {
+                path: path.clone(),
+                source: e,
+            }
+        }
+    })?;
+    crate::ensure_intact!(
+        meta.len() == entry.size,
+        &path,
+        "file is {} bytes but the manifest records {} (truncated or overwritten?)",
+        meta.len(),
+        entry.size
+    );
+    Ok(path)
+}
+
+impl CacheReader {
+    /// Opens the cache in directory `dir`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let manifest = Manifest::read(dir)?;
+        let index_path = check_size(dir, &manifest.index)?;
+        let index = Index::open(&index_path, manifest.num_samples)?;
+        let mut shards = Vec::with_capacity(manifest.shards.len());
+        for entry in &manifest.shards {
+            let path = check_size(dir, entry)?;
+            crate::ensure_intact!(
+                entry.size >= SHARD_HEADER_LEN,
+                &path,
+                "shard is shorter than its header"
+            );
+            let file = std::fs::File::open(&path).at(&path)?;
+            // SAFETY: shards are written once, before the cache is published, and never
+            // modified in place; the size was just checked against the manifest, and every
+            // read is bounds-checked against the mapping's length.
+            let map = unsafe { Mmap::map(&file) }.at(&path)?;
+            crate::ensure_intact!(
+                map.len() as u64 == entry.size && map[..8] == SHARD_MAGIC[..],
+                &path,
+                "not a dataset_rt shard (bad header)"
+            );
+            shards.push(Shard { path, map });
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            manifest,
+            index,
+            shards,
+        })
+    }
+
+    /// The cache's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The manifest read at open.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> u64 {
+        self.index.len()
+    }
+
+    /// Whether the cache has no samples.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    fn checked_location(&self, sample_id: u64) -> Result<(Location, &Shard)> {
+        if sample_id >= self.index.len() {
+            return Err(Error::SampleOutOfRange {
+                sample_id,
+                len: self.index.len(),
+                name: self.manifest.name.clone(),
+            });
+        }
+        let loc = self.index.location(sample_id);
+        let shard = self.shards.get(loc.shard as usize).ok_or_else(|| {
+            Error::corrupt(
+                self.dir.join(&self.manifest.index.file),
+                format!(
+                    "sample_id {sample_id} points to shard {} of {}",
+                    loc.shard,
+                    self.shards.len()
+                ),
+            )
+        })?;
+        let end = loc.offset.checked_add(loc.length);
+        crate::ensure_intact!(
+            loc.offset >= SHARD_HEADER_LEN && end.is_some_and(|e| e <= shard.map.len() as u64),
+            &shard.path,
+            "sample_id {sample_id} spans bytes {}..{} beyond the shard's {} bytes",
+            loc.offset,
+            loc.offset.saturating_add(loc.length),
+            shard.map.len()
+        );
+        Ok((loc, shard))
+    }
+
+    /// The bytes of record `sample_id`, viewed in the mapped shard.
+    pub fn record(&self, sample_id: u64) -> Result<&[u8]> {
+        let (loc, shard) = self.checked_location(sample_id)?;
+        Ok(&shard.map[loc.offset as usize..(loc.offset + loc.length) as usize])
+    }
+
+    /// The bytes of record `sample_id`, after checking them against the index's checksum.
+    pub fn record_verified(&self, sample_id: u64) -> Result<&[u8]> {
+        let (loc, shard) = self.checked_location(sample_id)?;
+        let bytes = &shard.map[loc.offset as usize..(loc.offset + loc.length) as usize];
+        let digest = xxhash_rust::xxh3::xxh3_64(bytes);
+        crate::ensure_intact!(
+            digest == loc.checksum,
+            &shard.path,
+            "sample_id {sample_id} fails its checksum (stored {}, read {})",
+            checksum_hex(loc.checksum),
+            checksum_hex(digest)
+        );
+        Ok(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};
+
+    fn build(dir: &Path, records: &[Vec<u8>], opts: WriteOptions) -> Manifest {
+        let mut w = CacheWriter::create(dir, opts).unwrap();
+        for r in records {
+            w.append(r).unwrap();
+        }
+        std::fs::write(dir.join(Manifest::metadata_file(1)), b"meta").unwrap();
+        w.finish(ManifestInfo {
+            name: "t".into(),
+            cache_id: "0123456789ab".into(),
+            serializer: "pickle".into(),
+            metadata_version: 1,
+        })
+        .unwrap()
+    }
+
+    fn records(n: usize) -> Vec<Vec<u8>> {
+        (0..n)
+            .map(|i| (0..(i * 37 % 300)).map(|j| (i + j) as u8).collect())
+            .collect()
+    }
+
+    #[test]
+    fn write_read_round_trip_across_shards() {
+        let dir = tempfile::tempdir().unwrap();
+        let recs = records(500);
+        let opts = WriteOptions {
+            shard_size: 4096,
+            alignment: 64,
+        };
+        let manifest = build(dir.path(), &recs, opts);
+        assert!(manifest.shards.len() > 10, "{}", manifest.shards.len());
+        let reader = CacheReader::open(dir.path()).unwrap();
+        assert_eq!(reader.len(), 500);
+        assert_eq!(
+            manifest.nbytes,
+            recs.iter().map(|r| r.len() as u64).sum::<u64>()
+        );
+        for (i, r) in recs.iter().enumerate() {
+            assert_eq!(reader.record(i as u64).unwrap(), &r[..]);
+            assert_eq!(reader.record_verified(i as u64).unwrap(), &r[..]);
+        }
+    }
+
+    #[test]
+    fn records_are_aligned_and_shards_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let recs = records(300);
+        for alignment in [1, 16, 64, 4096] {
+            let sub = dir.path().join(alignment.to_string());
+            std::fs::create_dir(&sub).unwrap();
+            let opts = WriteOptions {
+                shard_size: 8192,
+                alignment,
+            };
+            let manifest = build(&sub, &recs, opts);
+            let reader = CacheReader::open(&sub).unwrap();
+            for i in 0..reader.len() {
+                let loc = reader.index.location(i);
+                assert_eq!(loc.offset % alignment, 0);
+                let ptr = reader.record(i).unwrap().as_ptr() as u64;
+                assert_eq!(ptr % alignment, 0, "mapped record {i} misaligned");
+            }
+            for s in &manifest.shards {
+                assert!(s.size <= 8192, "{s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn oversized_record_gets_its_own_shard() {
+        let dir = tempfile::tempdir().unwrap();
+        let recs = vec![vec![1u8; 10], vec![2u8; 10_000], vec![3u8; 10]];
+        let opts = WriteOptions {
+            shard_size: 1024,
+            alignment: 16,
+        };
+        let manifest = build(dir.path(), &recs, opts);
+        assert_eq!(manifest.shards.len(), 3);
+        let reader = CacheReader::open(dir.path()).unwrap();
+        assert_eq!(reader.record(1).unwrap(), &recs[1][..]);
+    }
+
+    #[test]
+    fn shard_checksums_match_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let manifest = build(dir.path(), &records(100), WriteOptions::default());
+        for s in &manifest.shards {
+            let bytes = std::fs::read(dir.path().join(&s.file)).unwrap();
+            assert_eq!(checksum_hex(xxhash_rust::xxh3::xxh3_64(&bytes)), s.checksum);
+        }
+    }
+
+    #[test]
+    fn out_of_range_and_damaged_reads_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        build(dir.path(), &records(20), WriteOptions::default());
+        let reader = CacheReader::open(dir.path()).unwrap();
+        assert!(matches!(
+            reader.record(20),
+            Err(Error::SampleOutOfRange { sample_id: 20, .. })
+        ));
+        drop(reader);
+
+        // Flip one payload byte: plain reads return it, verified reads catch it.
+        let shard = dir.path().join("shards/00000.bin");
+        let mut bytes = std::fs::read(&shard).unwrap();
+        let reader = CacheReader::open(dir.path()).unwrap();
+        let loc = reader.index.location(5);
+        drop(reader);
+        bytes[loc.offset as usize] ^= 0xff;
+        std::fs::write(&shard, &bytes).unwrap();
+        let reader = CacheReader::open(dir.path()).unwrap();
+        let err = reader.record_verified(5).unwrap_err();
+        assert!(
+            err.to_string().contains("sample_id 5 fails its checksum"),
+            "{err}"
+        );
+
+        // Truncation is caught at open, naming the file.
+        drop(reader);
+        std::fs::write(&shard, &bytes[..bytes.len() - 1]).unwrap();
+        let err = CacheReader::open(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("00000.bin"), "{err}");
+        assert!(err.to_string().contains("truncated"), "{err}");
+    }
+
+    #[test]
+    fn missing_shard_and_newer_format_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        build(dir.path(), &records(5), WriteOptions::default());
+        let manifest_path = dir.path().join("manifest.json");
+        let text = std::fs::read_to_string(&manifest_path).unwrap();
+        std::fs::write(
+            &manifest_path,
+            text.replace("\"format_version\": 1", "\"format_version\": 99"),
+        )
+        .unwrap();
+        assert!(matches!(
+            CacheReader::open(dir.path()),
+            Err(Error::UnsupportedVersion { found: 99, .. })
+        ));
+        std::fs::write(&manifest_path, &text).unwrap();
+        std::fs::remove_file(dir.path().join("shards/00000.bin")).unwrap();
+        let err = CacheReader::open(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn index_pointing_outside_its_shard_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let manifest = build(dir.path(), &records(4), WriteOptions::default());
+        let shard_len = manifest.shards[0].size;
+        let mut bad = crate::index::IndexBuilder::default();
+        let locs = [
+            (0, shard_len - 2, 5), // runs past the end
+            (0, 3, 5),             // inside the header
+            (7, 64, 1),            // no such shard
+            (0, u64::MAX - 1, 5),  // offset + length overflows
+        ];
+        for (shard, offset, length) in locs {
+            bad.push(Location {
+                shard,
+                offset,
+                length,
+                checksum: 0,
+            });
+        }
+        let index_path = dir.path().join("index.arrow");
+        let (size, digest) = bad.write(&index_path).unwrap();
+        let mut manifest = manifest;
+        manifest.index.size = size;
+        manifest.index.checksum = checksum_hex(digest);
+        manifest.write(dir.path()).unwrap();
+        let reader = CacheReader::open(dir.path()).unwrap();
+        for id in 0..4 {
+            let err = reader.record(id).unwrap_err().to_string();
+            assert!(err.contains(&format!("sample_id {id}")), "{err}");
+        }
+    }
+
+    #[test]
+    fn empty_cache_round_trips() {
+        let dir = tempfile::tempdir().unwrap();
+        let manifest = build(dir.path(), &[], WriteOptions::default());
+        assert!(manifest.shards.is_empty());
+        assert!(CacheReader::open(dir.path()).unwrap().is_empty());
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(32))]
+            #[test]
+            fn any_records_round_trip(
+                recs in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..600), 0..80),
+                shard_size in 65u64..5000,
+                align_pow in 0u32..8,
+            ) {
+                let dir = tempfile::tempdir().unwrap();
+                let opts = WriteOptions { shard_size, alignment: 1 << align_pow };
+                build(dir.path(), &recs, opts);
+                let reader = CacheReader::open(dir.path()).unwrap();
+                prop_assert_eq!(reader.len(), recs.len() as u64);
+                for (i, r) in recs.iter().enumerate() {
+                    prop_assert_eq!(reader.record_verified(i as u64).unwrap(), &r[..]);
+                }
+            }
+        }
+    }
+}

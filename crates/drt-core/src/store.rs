@@ -1,0 +1,297 @@
+//! A root directory of caches: name → directory, the build lock, build directories and the
+//! atomic publication of a finished build.
+//!
+//! ```text
+//! <root>/<name>/                    a published cache
+//! <root>/.<name>.lock               flock'ed by the one process building <name>
+//! <root>/.<name>.build-<pid>-<id>   a build in progress (or left behind by a crash)
+//! ```
+//!
+//! Only the holder of a name's lock creates, publishes or removes that name's build
+//! directories, so any build directory found while holding the lock was left by a process
+//! that died, and is removed.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::error::{Error, IoContext, Result};
+use crate::format::{new_cache_id, sync_dir, validate_name, Manifest, MANIFEST_FILE};
+
+/// A directory that holds caches by name.
+#[derive(Debug, Clone)]
+pub struct Store {
+    root: PathBuf,
+}
+
+/// Exclusive right to build (or rebuild) one cache name; released on drop or process exit.
+#[derive(Debug)]
+pub struct BuildLock {
+    _file: File,
+    name: String,
+}
+
+impl BuildLock {
+    /// The cache name this lock guards.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Store {
+    /// A store at `root` (which need not exist yet).
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The directory of cache `name`, after checking the name.
+    pub fn cache_dir(&self, name: &str) -> Result<PathBuf> {
+        validate_name(name)?;
+        Ok(self.root.join(name))
+    }
+
+    /// Whether a published cache directory exists for `name` (valid or not).
+    pub fn exists(&self, name: &str) -> Result<bool> {
+        Ok(self.cache_dir(name)?.join(MANIFEST_FILE).exists())
+    }
+
+    /// Takes the build lock of `name`, waiting for another holder to release it. `poll` is
+    /// called between attempts and may abort the wait by returning an error (Ctrl-C).
+    /// Returns the lock and whether it had to wait.
+    pub fn lock(
+        &self,
+        name: &str,
+        mut poll: impl FnMut() -> Result<()>,
+    ) -> Result<(BuildLock, bool)> {
+        validate_name(name)?;
+        std::fs::create_dir_all(&self.root).at(&self.root)?;
+        let path = self.root.join(format!(".{name}.lock"));
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .at(&path)?;
+        let mut waited = false;
+        loop {
+            match file.try_lock() {
+                Ok(()) => {
+                    let lock = BuildLock {
+                        _file: file,
+                        name: name.to_string(),
+                    };
+                    return Ok((lock, waited));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    waited = true;
+                    poll()?;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(std::fs::TryLockError::Error(e)) => return Err(e).at(&path),
+            }
+        }
+    }
+
+    /// Removes build directories of `name` left behind by dead processes, then creates a
+    /// fresh one.
+    pub fn begin_build(&self, lock: &BuildLock) -> Result<PathBuf> {
+        self.remove_stale_builds(lock)?;
+        let dir = self.root.join(format!(
+            ".{}.build-{}-{}",
+            lock.name,
+            std::process::id(),
+            new_cache_id()?
+        ));
+        std::fs::create_dir(&dir).at(&dir)?;
+        Ok(dir)
+    }
+
+    fn remove_stale_builds(&self, lock: &BuildLock) -> Result<()> {
+        let prefix = format!(".{}.build-", lock.name);
+        for entry in std::fs::read_dir(&self.root).at(&self.root)? {
+            let entry = entry.at(&self.root)?;
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let path = entry.path();
+                std::fs::remove_dir_all(&path).at(&path)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes an unfinished build directory.
+    pub fn discard(&self, build_dir: &Path) -> Result<()> {
+        match std::fs::remove_dir_all(build_dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).at(build_dir),
+            _ => Ok(()),
+        }
+    }
+
+    /// Makes a finished build visible as cache `lock.name`, replacing any cache of that name
+    /// in one atomic step: readers see the old cache or the new one, never neither or a mix.
+    pub fn publish(&self, lock: &BuildLock, build_dir: &Path) -> Result<()> {
+        let target = self.cache_dir(&lock.name)?;
+        if target.exists() {
+            exchange(build_dir, &target)?;
+            sync_dir(&self.root)?;
+            // `build_dir` now holds the replaced cache. A crash before it is gone leaves a
+            // stale build directory, which the next build of this name removes.
+            self.discard(build_dir)?;
+        } else {
+            std::fs::rename(build_dir, &target).at(&target)?;
+            sync_dir(&self.root)?;
+        }
+        Ok(())
+    }
+
+    /// The names of the published caches under the root, sorted. A missing root has none.
+    pub fn names(&self) -> Result<Vec<String>> {
+        let entries = match std::fs::read_dir(&self.root) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e).at(&self.root),
+        };
+        let mut names = Vec::new();
+        for entry in entries {
+            let entry = entry.at(&self.root)?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if validate_name(&name).is_ok() && entry.path().join(MANIFEST_FILE).is_file() {
+                names.push(name);
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    /// The manifest of cache `name`, or [`Error::CacheNotFound`].
+    pub fn manifest(&self, name: &str) -> Result<Manifest> {
+        let dir = self.cache_dir(name)?;
+        if !dir.join(MANIFEST_FILE).exists() {
+            return Err(Error::CacheNotFound {
+                name: name.to_string(),
+                root: self.root.clone(),
+            });
+        }
+        Manifest::read(&dir)
+    }
+}
+
+/// Swaps two directory entries atomically.
+#[cfg(target_os = "linux")]
+fn exchange(a: &Path, b: &Path) -> Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_bytes()).map_err(|_| {
+            Error::InvalidArgument(format!("path {} contains a NUL byte", p.display()))
+        })
+    };
+    let (ca, cb) = (c(a)?, c(b)?);
+    // SAFETY: both arguments are valid NUL-terminated paths that outlive the call.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        // Filesystems without RENAME_EXCHANGE: fall back to two renames.
+        Some(libc::EINVAL) | Some(libc::ENOSYS) => exchange_by_renames(a, b),
+        _ => Err(err).at(b),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn exchange(a: &Path, b: &Path) -> Result<()> {
+    exchange_by_renames(a, b)
+}
+
+/// Swaps `a` and `b` with renames through a third name. Not atomic: a crash between the
+/// renames leaves `b` absent until the next build, but never a mixed cache.
+fn exchange_by_renames(a: &Path, b: &Path) -> Result<()> {
+    let parked = a.with_extension("parked");
+    std::fs::rename(b, &parked).at(b)?;
+    std::fs::rename(a, b).at(b)?;
+    std::fs::rename(&parked, a).at(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn second_locker_waits_until_release() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path());
+        let (first, waited) = store.lock("x", || Ok(())).unwrap();
+        assert!(!waited);
+        let mut polls = 0;
+        let err = store
+            .lock("x", || {
+                polls += 1;
+                if polls == 3 {
+                    Err(Error::Interrupted)
+                } else {
+                    Ok(())
+                }
+            })
+            .unwrap_err();
+        assert!(matches!(err, Error::Interrupted));
+        drop(first);
+        let (_second, waited) = store.lock("x", || Ok(())).unwrap();
+        assert!(!waited);
+        // Other names are independent.
+        store.lock("y", || panic!("must not wait")).unwrap();
+    }
+
+    #[test]
+    fn publish_replaces_atomically_and_stale_builds_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path());
+        let (lock, _) = store.lock("c", || Ok(())).unwrap();
+        let stale = dir.path().join(".c.build-1-dead");
+        std::fs::create_dir(&stale).unwrap();
+        let b1 = store.begin_build(&lock).unwrap();
+        assert!(!stale.exists());
+        std::fs::write(b1.join(MANIFEST_FILE), "one").unwrap();
+        store.publish(&lock, &b1).unwrap();
+        let b2 = store.begin_build(&lock).unwrap();
+        std::fs::write(b2.join(MANIFEST_FILE), "two").unwrap();
+        store.publish(&lock, &b2).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("c").join(MANIFEST_FILE)).unwrap(),
+            "two"
+        );
+        assert!(!b2.exists());
+        assert_eq!(store.names().unwrap(), vec!["c".to_string()]);
+    }
+
+    #[test]
+    fn names_skip_hidden_and_incomplete_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("no-manifest")).unwrap();
+        std::fs::create_dir(dir.path().join(".c.build-1-x")).unwrap();
+        std::fs::write(dir.path().join(".c.build-1-x").join(MANIFEST_FILE), "").unwrap();
+        let store = Store::new(dir.path());
+        assert!(store.names().unwrap().is_empty());
+        assert!(Store::new(dir.path().join("absent"))
+            .names()
+            .unwrap()
+            .is_empty());
+        assert!(matches!(
+            store.manifest("no-manifest"),
+            Err(Error::CacheNotFound { .. })
+        ));
+    }
+}

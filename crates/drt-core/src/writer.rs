@@ -1,0 +1,269 @@
+//! Writing a cache: records into size-bounded, aligned payload shards, then the index and
+//! the manifest.
+//!
+//! A [`CacheWriter`] writes into a build directory that nobody reads; the
+//! [`Store`](crate::store::Store) publishes it under the cache's name only when it is complete.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, IoContext, Result};
+use crate::format::{
+    checksum_hex, shard_file, FileEntry, Manifest, FORMAT_VERSION, INDEX_FILE, METADATA_DIR,
+    SHARDS_DIR, SHARD_HEADER_LEN, SHARD_MAGIC,
+};
+use crate::index::{HashingWriter, IndexBuilder, Location};
+
+/// How records are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteOptions {
+    /// A shard is closed before a record would take it past this many bytes; a record larger
+    /// than this gets a shard of its own.
+    pub shard_size: u64,
+    /// Every record starts at a multiple of this within its shard (a power of two, ≤ 4096).
+    pub alignment: u64,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        Self {
+            shard_size: 256 << 20,
+            alignment: 16,
+        }
+    }
+}
+
+impl WriteOptions {
+    fn check(&self) -> Result<()> {
+        if !self.alignment.is_power_of_two() || self.alignment > 4096 {
+            crate::bail_arg!(
+                "alignment must be a power of two up to 4096, got {}",
+                self.alignment
+            );
+        }
+        if self.shard_size < SHARD_HEADER_LEN + 1 {
+            crate::bail_arg!(
+                "shard_size must be more than {SHARD_HEADER_LEN} bytes, got {}",
+                self.shard_size
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What the manifest records besides the layout.
+#[derive(Debug, Clone)]
+pub struct ManifestInfo {
+    /// The cache's name.
+    pub name: String,
+    /// The build's unique id.
+    pub cache_id: String,
+    /// How records were serialized.
+    pub serializer: String,
+    /// The metadata version written into the build directory.
+    pub metadata_version: u32,
+}
+
+struct OpenShard {
+    id: u32,
+    path: PathBuf,
+    out: HashingWriter<BufWriter<File>>,
+    /// Bytes already handed to the kernel for writeback.
+    flushed: u64,
+}
+
+/// Writeback is started after every this many bytes, so that the fsync when a shard is
+/// closed waits for the last few megabytes only, not for the whole shard.
+const WRITEBACK_BYTES: u64 = 16 << 20;
+
+impl OpenShard {
+    fn start_writeback(&mut self) -> Result<()> {
+        let pos = self.out.position();
+        if pos - self.flushed < WRITEBACK_BYTES {
+            return Ok(());
+        }
+        self.out.flush().at(&self.path)?;
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            let fd = self.out.get_ref().get_ref().as_raw_fd();
+            // SAFETY: `fd` is an open file owned by this shard; the call only asks the
+            // kernel to start writing back the given range and touches no memory of ours.
+            // Its result is advisory: a failure here resurfaces in the fsync at close.
+            unsafe {
+                libc::sync_file_range(
+                    fd,
+                    self.flushed as libc::off64_t,
+                    (pos - self.flushed) as libc::off64_t,
+                    libc::SYNC_FILE_RANGE_WRITE,
+                );
+            }
+        }
+        self.flushed = pos;
+        Ok(())
+    }
+}
+
+/// Appends records to a build directory.
+pub struct CacheWriter {
+    dir: PathBuf,
+    opts: WriteOptions,
+    shard: Option<OpenShard>,
+    shards: Vec<FileEntry>,
+    index: IndexBuilder,
+    nbytes: u64,
+}
+
+const ZEROS: [u8; 4096] = [0; 4096];
+
+impl CacheWriter {
+    /// Starts writing into `dir`, an existing empty directory.
+    pub fn create(dir: &Path, opts: WriteOptions) -> Result<Self> {
+        opts.check()?;
+        for sub in [SHARDS_DIR, METADATA_DIR] {
+            let path = dir.join(sub);
+            std::fs::create_dir_all(&path).at(&path)?;
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            opts,
+            shard: None,
+            shards: Vec::new(),
+            index: IndexBuilder::default(),
+            nbytes: 0,
+        })
+    }
+
+    /// The build directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Number of records appended so far.
+    pub fn num_samples(&self) -> u64 {
+        self.index.len()
+    }
+
+    /// Payload bytes appended so far (padding excluded).
+    pub fn nbytes(&self) -> u64 {
+        self.nbytes
+    }
+
+    /// Appends one record; returns its sample id.
+    pub fn append(&mut self, record: &[u8]) -> Result<u64> {
+        let len = record.len() as u64;
+        let align = self.opts.alignment;
+        let needs_new = match &self.shard {
+            None => true,
+            Some(s) => {
+                let start = s.out.position().next_multiple_of(align);
+                start > SHARD_HEADER_LEN && start + len > self.opts.shard_size
+            }
+        };
+        if needs_new {
+            self.close_shard()?;
+            self.open_shard()?;
+        }
+        let Some(shard) = self.shard.as_mut() else {
+            // INVARIANT: open_shard() above either set a shard or returned an error.
+            unreachable!("a shard is open after open_shard")
+        };
+        let pos = shard.out.position();
+        let pad = (pos.next_multiple_of(align) - pos) as usize;
+        shard.out.write_all(&ZEROS[..pad]).at(&shard.path)?;
+        let offset = shard.out.position();
+        shard.out.write_all(record).at(&shard.path)?;
+        shard.start_writeback()?;
+        let sample_id = self.index.len();
+        self.index.push(Location {
+            shard: shard.id,
+            offset,
+            length: len,
+            checksum: xxhash_rust::xxh3::xxh3_64(record),
+        });
+        self.nbytes += len;
+        Ok(sample_id)
+    }
+
+    fn open_shard(&mut self) -> Result<()> {
+        let id = u32::try_from(self.shards.len())
+            .map_err(|_| Error::InvalidArgument("more than 2^32 shards".into()))?;
+        let path = self.dir.join(shard_file(id));
+        let file = File::create(&path).at(&path)?;
+        let mut out = HashingWriter::new(BufWriter::with_capacity(1 << 20, file));
+        let mut header = [0u8; SHARD_HEADER_LEN as usize];
+        header[..8].copy_from_slice(SHARD_MAGIC);
+        header[8..16].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.write_all(&header).at(&path)?;
+        self.shard = Some(OpenShard {
+            id,
+            path,
+            out,
+            flushed: 0,
+        });
+        Ok(())
+    }
+
+    fn close_shard(&mut self) -> Result<()> {
+        let Some(shard) = self.shard.take() else {
+            return Ok(());
+        };
+        let (size, digest, out) = shard.out.finish();
+        let file = out
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .at(&shard.path)?;
+        file.sync_all().at(&shard.path)?;
+        self.shards.push(FileEntry {
+            file: shard_file(shard.id),
+            size,
+            checksum: checksum_hex(digest),
+        });
+        Ok(())
+    }
+
+    /// Closes the last shard, writes the index and the manifest; returns the manifest.
+    ///
+    /// The metadata file named by `info.metadata_version` must already be in the build
+    /// directory: the manifest is the last file written, and its presence is what makes the
+    /// directory a cache.
+    pub fn finish(mut self, info: ManifestInfo) -> Result<Manifest> {
+        self.close_shard()?;
+        let metadata = self
+            .dir
+            .join(Manifest::metadata_file(info.metadata_version));
+        if !metadata.is_file() {
+            return Err(Error::corrupt(
+                &metadata,
+                "the metadata table was not written before finishing the build",
+            ));
+        }
+        let num_samples = self.index.len();
+        let index_path = self.dir.join(INDEX_FILE);
+        let (size, digest) = self.index.write(&index_path)?;
+        let manifest = Manifest {
+            format_version: FORMAT_VERSION,
+            name: info.name,
+            cache_id: info.cache_id,
+            num_samples,
+            nbytes: self.nbytes,
+            alignment: self.opts.alignment,
+            serializer: info.serializer,
+            compression: "none".into(),
+            created_at: crate::format::utc_now_iso(),
+            shards: self.shards,
+            index: FileEntry {
+                file: INDEX_FILE.into(),
+                size,
+                checksum: checksum_hex(digest),
+            },
+            metadata_version: info.metadata_version,
+        };
+        for sub in [SHARDS_DIR, METADATA_DIR] {
+            crate::format::sync_dir(&self.dir.join(sub))?;
+        }
+        manifest.write(&self.dir)?;
+        Ok(manifest)
+    }
+}

@@ -1,0 +1,28 @@
+//! The `dataset_rt._native` extension module: thin bindings from Python to `drt-core`.
+//!
+//! Every binding converts its arguments, releases the GIL around one core call through
+//! [`errors::run`], and converts the result. The Polars expression plugins of `drt-polars`
+//! are linked into this same library, so one file serves both `import` and
+//! `register_plugin_function`.
+
+mod builder;
+mod errors;
+mod reader;
+mod store;
+
+use pyo3::prelude::*;
+
+// Linking the plugin crate is what exports its `_polars_plugin_*` symbols from this library.
+use drt_polars as _;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FORMAT_VERSION", drt_core::format::FORMAT_VERSION)?;
+    m.add_class::<store::PyStore>()?;
+    m.add_class::<store::PyBuildLock>()?;
+    m.add_class::<builder::PyCacheBuilder>()?;
+    m.add_class::<reader::PyCacheReader>()?;
+    m.add_function(wrap_pyfunction!(store::validate_name, m)?)?;
+    Ok(())
+}

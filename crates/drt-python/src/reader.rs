@@ -1,0 +1,62 @@
+//! `CacheReader`: an open cache, read by sample id.
+
+use std::sync::Arc;
+
+use drt_core::format::Manifest;
+use drt_core::reader::CacheReader;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::errors::to_py;
+
+/// The manifest as JSON text, for the Python side to parse.
+pub fn manifest_to_json(manifest: &Manifest) -> String {
+    // INVARIANT: a Manifest is plain data that always serializes.
+    serde_json::to_string(manifest).unwrap_or_default()
+}
+
+#[pyclass(name = "CacheReader", module = "dataset_rt._native", frozen)]
+pub struct PyCacheReader {
+    inner: Arc<CacheReader>,
+}
+
+impl From<CacheReader> for PyCacheReader {
+    fn from(reader: CacheReader) -> Self {
+        Self {
+            inner: Arc::new(reader),
+        }
+    }
+}
+
+#[pymethods]
+impl PyCacheReader {
+    #[getter]
+    fn path(&self) -> std::path::PathBuf {
+        self.inner.dir().to_path_buf()
+    }
+
+    #[getter]
+    fn manifest_json(&self) -> String {
+        manifest_to_json(self.inner.manifest())
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len() as usize
+    }
+
+    /// The bytes of one record; `verify=True` checks them against the stored checksum.
+    #[pyo3(signature = (sample_id, verify = false))]
+    fn get_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        sample_id: u64,
+        verify: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = if verify {
+            self.inner.record_verified(sample_id)
+        } else {
+            self.inner.record(sample_id)
+        };
+        bytes.map(|b| PyBytes::new(py, b)).map_err(|e| to_py(py, e))
+    }
+}

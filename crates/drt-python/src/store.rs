@@ -1,0 +1,148 @@
+//! `Store` and `BuildLock`: a root of caches and the per-name build lock.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use drt_core::store::{BuildLock, Store};
+use drt_core::write_behind::WriteBehind;
+use drt_core::writer::{CacheWriter, WriteOptions};
+use pyo3::prelude::*;
+
+use crate::builder::PyCacheBuilder;
+use crate::errors::{run, run_interruptible, to_py};
+use crate::reader::PyCacheReader;
+
+/// Checks a cache name; raises `CacheNameError` naming what is wrong with it.
+#[pyfunction]
+pub fn validate_name(py: Python<'_>, name: &str) -> PyResult<()> {
+    drt_core::format::validate_name(name).map_err(|e| to_py(py, e))
+}
+
+#[pyclass(name = "Store", module = "dataset_rt._native", frozen)]
+pub struct PyStore {
+    inner: Store,
+}
+
+#[pymethods]
+impl PyStore {
+    #[new]
+    fn new(root: PathBuf) -> Self {
+        Self {
+            inner: Store::new(root),
+        }
+    }
+
+    #[getter]
+    fn root(&self) -> PathBuf {
+        self.inner.root().to_path_buf()
+    }
+
+    fn names(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        run(py, || self.inner.names())
+    }
+
+    fn exists(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
+        run(py, || self.inner.exists(name))
+    }
+
+    fn manifest_json(&self, py: Python<'_>, name: &str) -> PyResult<String> {
+        let manifest = run(py, || self.inner.manifest(name))?;
+        Ok(crate::reader::manifest_to_json(&manifest))
+    }
+
+    fn open(&self, py: Python<'_>, name: &str) -> PyResult<PyCacheReader> {
+        run(py, || {
+            // Reading the manifest first turns a missing cache into CacheNotFound.
+            self.inner.manifest(name)?;
+            drt_core::reader::CacheReader::open(&self.inner.cache_dir(name)?)
+        })
+        .map(PyCacheReader::from)
+    }
+
+    fn lock(&self, py: Python<'_>, name: &str) -> PyResult<PyBuildLock> {
+        let (lock, waited) = run_interruptible(py, |poll| self.inner.lock(name, poll))?;
+        Ok(PyBuildLock {
+            inner: Mutex::new(Some(lock)),
+            waited,
+        })
+    }
+
+    fn begin_build(
+        &self,
+        py: Python<'_>,
+        lock: Py<PyBuildLock>,
+        shard_size: u64,
+        alignment: u64,
+    ) -> PyResult<PyCacheBuilder> {
+        let opts = WriteOptions {
+            shard_size,
+            alignment,
+        };
+        let (dir, writer, name) = run(py, || {
+            let guard = lock.get().held()?;
+            let Some(held) = guard.as_ref() else {
+                unreachable!("held() checked the lock is present")
+            };
+            let dir = self.inner.begin_build(held)?;
+            match CacheWriter::create(&dir, opts).and_then(WriteBehind::spawn) {
+                Ok(writer) => Ok((dir, writer, held.name().to_string())),
+                Err(e) => {
+                    let _ = self.inner.discard(&dir);
+                    Err(e)
+                }
+            }
+        })?;
+        PyCacheBuilder::new(self.inner.clone(), lock, name, dir, writer, py)
+    }
+}
+
+#[pyclass(name = "BuildLock", module = "dataset_rt._native", frozen)]
+pub struct PyBuildLock {
+    inner: Mutex<Option<BuildLock>>,
+    waited: bool,
+}
+
+impl PyBuildLock {
+    /// The lock, or an error once it was released.
+    pub fn held(&self) -> drt_core::Result<std::sync::MutexGuard<'_, Option<BuildLock>>> {
+        let guard = self
+            .inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if guard.is_none() {
+            return Err(drt_core::Error::InvalidArgument(
+                "the build lock was already released".into(),
+            ));
+        }
+        Ok(guard)
+    }
+}
+
+#[pymethods]
+impl PyBuildLock {
+    /// Whether taking the lock had to wait for another process.
+    #[getter]
+    fn waited(&self) -> bool {
+        self.waited
+    }
+
+    fn release(&self) {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        _exc_type: &Bound<'_, PyAny>,
+        _exc: &Bound<'_, PyAny>,
+        _tb: &Bound<'_, PyAny>,
+    ) {
+        self.release();
+    }
+}

@@ -1,0 +1,241 @@
+"""Building caches: :func:`cache`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from dataset_rt import _native
+from dataset_rt.cache import Cache, PathLike, resolve_root
+from dataset_rt.errors import (
+    ArgumentError,
+    CacheCorruptError,
+    CacheNotFoundError,
+    MetadataError,
+    SerializationError,
+)
+from dataset_rt.metadata import MetadataCollector
+from dataset_rt.progress import BuildProgress
+from dataset_rt.serialize import Decoder, SerializerSpec, as_bytes, resolve_serializer
+
+__all__ = ["cache"]
+
+DEFAULT_SHARD_SIZE = 256 << 20
+DEFAULT_ALIGNMENT = 16
+FIRST_METADATA_VERSION = 1
+
+Source = Iterable[Any] | Callable[[], Iterable[Any]]
+"""An iterable of records, or a zero-argument callable returning one."""
+
+
+def _try_open(store: _native.Store, root: Any, name: str, decode: Decoder | None) -> Cache | None:
+    try:
+        reader = store.open(name)
+    except CacheNotFoundError:
+        return None
+    return Cache(reader, root, decode)
+
+
+def cache(
+    source: Source,
+    name: str,
+    *,
+    root: PathLike | None = None,
+    metadata: Callable[[Any], Mapping[str, Any]] | None = None,
+    serializer: SerializerSpec = "pickle",
+    decode: Decoder | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> Cache:
+    """Caches the records of ``source`` once under ``name``, or reuses that cache.
+
+    If a cache called ``name`` already exists under ``root``, it is returned as it is and
+    ``source`` is not iterated (a callable source is not even called). Change the name when
+    the preprocessing or the source changes, or pass ``overwrite=True``.
+
+    Concurrent calls with the same name and root, from any number of processes (every rank
+    of a DDP job, say), build once: one process builds, the others wait and open its cache.
+    A build that fails or is killed leaves no cache behind, and an existing cache of the
+    same name stays as it was.
+
+    Parameters
+    ----------
+    source
+        An iterable of records (a list, a generator, a ``torch.utils.data.Dataset`` with
+        ``__iter__``), or a zero-argument callable returning one.
+    name
+        The cache's name: letters, digits and ``. _ + = @ -``; it becomes a directory
+        under ``root``.
+    root
+        The directory holding the caches; default ``$DATASET_RT_HOME`` or
+        ``~/.cache/dataset_rt``.
+    metadata
+        ``metadata(record) -> dict`` of primitive attributes (int, float, bool, str, None)
+        stored in the metadata table. Every record must give the same keys, each with one
+        type. A ``weight`` key sets the initial sampling weight (default 1.0).
+    serializer
+        ``"pickle"`` (protocol 5, the default), ``"dill"``, or a callable returning bytes.
+    decode
+        The decoder for a custom ``serializer``; pickle and dill caches know theirs.
+    overwrite
+        Rebuild even if a cache of this name exists. The old cache stays readable until
+        the new one replaces it in one atomic step.
+    progress
+        Show a progress line (records, bytes, rate) while building.
+    shard_size
+        Upper bound on the size of a payload shard file, in bytes.
+    alignment
+        Every record starts at a multiple of this many bytes in its shard.
+
+    Returns
+    -------
+    Cache
+        The new or reused cache.
+
+    Raises
+    ------
+    SerializationError
+        A record could not be serialized; the message names its position.
+    MetadataError
+        ``metadata()`` returned something that cannot be stored; the message names the
+        record and the key.
+    CacheNameError
+        ``name`` is empty, contains a path separator, or other characters not allowed.
+    CacheCorruptError
+        A cache of this name exists but is damaged (pass ``overwrite=True`` to replace it).
+    """
+    if not isinstance(name, str):
+        raise ArgumentError(f"name must be a str, not {type(name).__name__}")
+    _native.validate_name(name)
+    if shard_size < 1024:
+        raise ArgumentError(f"shard_size must be at least 1024 bytes, got {shard_size}")
+    if alignment < 1 or alignment & (alignment - 1) or alignment > 4096:
+        raise ArgumentError(f"alignment must be a power of two up to 4096, got {alignment}")
+    ser_name, dumps = resolve_serializer(serializer)
+    root_path = resolve_root(root)
+    store = _native.Store(str(root_path))
+
+    if not overwrite:
+        existing = _try_open_or_explain(store, root_path, name, decode)
+        if existing is not None:
+            return existing
+    before = None if not store.exists(name) else json_cache_id(store, name)
+
+    lock = store.lock(name)
+    try:
+        if lock.waited:
+            # Another process built this name while we waited: use its cache, even with
+            # overwrite=True, so that N ranks asking for a rebuild rebuild it once.
+            now = _try_open_or_explain(store, root_path, name, decode)
+            if now is not None and (not overwrite or now.cache_id != before):
+                return now
+        elif not overwrite:
+            now = _try_open_or_explain(store, root_path, name, decode)
+            if now is not None:
+                return now
+        _build(
+            store, lock, name, source, metadata, ser_name, dumps, progress, shard_size, alignment
+        )
+    finally:
+        lock.release()
+    reader = store.open(name)
+    return Cache(reader, root_path, decode)
+
+
+def json_cache_id(store: _native.Store, name: str) -> str | None:
+    """The cache_id currently published under ``name``, or None if it is unreadable."""
+    import json
+
+    try:
+        return str(json.loads(store.manifest_json(name))["cache_id"])
+    except (CacheNotFoundError, CacheCorruptError, KeyError):
+        return None
+
+
+def _try_open_or_explain(
+    store: _native.Store, root: Any, name: str, decode: Decoder | None
+) -> Cache | None:
+    try:
+        return _try_open(store, root, name, decode)
+    except CacheCorruptError as exc:
+        raise type(exc)(f"{exc}; pass overwrite=True to rebuild cache {name!r}") from exc
+
+
+def _records(source: Source) -> Iterable[Any]:
+    if isinstance(source, Iterable):
+        return source
+    if callable(source):
+        produced = source()
+        if not isinstance(produced, Iterable):
+            raise ArgumentError(
+                f"source() returned {type(produced).__name__}, which is not iterable"
+            )
+        return produced
+    raise ArgumentError(
+        f"source must be an iterable of records or a callable returning one, "
+        f"not {type(source).__name__}"
+    )
+
+
+def _build(
+    store: _native.Store,
+    lock: _native.BuildLock,
+    name: str,
+    source: Source,
+    metadata: Callable[[Any], Mapping[str, Any]] | None,
+    ser_name: str,
+    dumps: Callable[[Any], Any],
+    progress: bool,
+    shard_size: int,
+    alignment: int,
+) -> None:
+    records = _records(source)
+    total = len(records) if hasattr(records, "__len__") else None  # type: ignore[arg-type]
+    builder = store.begin_build(lock, shard_size, alignment)
+    collector = MetadataCollector()
+    bar = BuildProgress(name, enabled=progress, total=total)
+    ok = False
+    append = builder.append
+    add_metadata = collector.add
+    index = -1
+    try:
+        for index, record in enumerate(records):
+            try:
+                data = dumps(record)
+            except Exception as exc:
+                raise SerializationError(
+                    f"record {index} could not be serialized with {ser_name}: {exc}"
+                ) from exc
+            if type(data) is not bytes:
+                data = as_bytes(data, index, ser_name)
+            append(data)
+            if metadata is not None:
+                try:
+                    values = metadata(record)
+                except Exception as exc:
+                    raise MetadataError(f"metadata() raised on record {index}: {exc!r}") from exc
+                add_metadata(index, values)
+            if not index & 0xFF:
+                bar.update(index + 1, builder.nbytes)
+        bar.update(index + 1, builder.nbytes)
+        frame = collector.frame(builder.cache_id, builder.num_samples)
+        path = builder.metadata_path(FIRST_METADATA_VERSION)
+        frame.write_parquet(path)
+        _fsync(path)
+        builder.finish(ser_name, FIRST_METADATA_VERSION)
+        ok = True
+    finally:
+        if not ok:
+            builder.abort()
+        bar.close(ok=ok)
+
+
+def _fsync(path: Any) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,304 @@
+"""Open caches: :class:`Cache`, :func:`open` and :func:`list_caches`."""
+
+from __future__ import annotations
+
+import html
+import json
+import operator
+import os
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from dataset_rt import _native
+from dataset_rt.errors import (
+    CacheCorruptError,
+    SerializationError,
+    StaleCacheError,
+)
+from dataset_rt.progress import format_bytes
+from dataset_rt.serialize import Decoder, decoder_for
+
+__all__ = ["Cache", "default_root", "list_caches", "open", "resolve_root"]
+
+PathLike = str | os.PathLike[str]
+
+
+def default_root() -> Path:
+    """``$DATASET_RT_HOME`` if set, else ``~/.cache/dataset_rt``."""
+    env = os.environ.get("DATASET_RT_HOME")
+    if env:
+        return Path(env).expanduser().absolute()
+    return (Path.home() / ".cache" / "dataset_rt").absolute()
+
+
+def resolve_root(root: PathLike | None) -> Path:
+    """The root directory a call works in: ``root`` if given, else :func:`default_root`."""
+    return default_root() if root is None else Path(root).expanduser().absolute()
+
+
+class Cache:
+    """A cache on disk: payload records by ``sample_id`` and their metadata table.
+
+    Get one from :func:`dataset_rt.cache` or :func:`dataset_rt.open`. The index and the
+    payload shards are memory-mapped; opening reads no payload bytes.
+
+    Examples
+    --------
+    >>> import dataset_rt as drt
+    >>> c = drt.cache([{"x": i} for i in range(3)], "doc-cache-example", progress=False)
+    >>> len(c), c.get(2)
+    (3, {'x': 2})
+    """
+
+    def __init__(
+        self, reader: _native.CacheReader, root: Path, decode: Decoder | None = None
+    ) -> None:
+        self._reader = reader
+        self._root = root
+        manifest: dict[str, Any] = json.loads(reader.manifest_json)
+        self._manifest = manifest
+        self._decode = decode if decode is not None else decoder_for(manifest["serializer"])
+        self._metadata: tuple[int, pl.DataFrame] | None = None
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The cache's name, unique under its root."""
+        return str(self._manifest["name"])
+
+    @property
+    def root(self) -> Path:
+        """The root directory holding this cache."""
+        return self._root
+
+    @property
+    def path(self) -> Path:
+        """The cache's directory."""
+        return Path(self._reader.path)
+
+    @property
+    def cache_id(self) -> str:
+        """Unique per build: a rebuilt cache of the same name has a new id."""
+        return str(self._manifest["cache_id"])
+
+    @property
+    def serializer(self) -> str:
+        """How the records were serialized: ``pickle``, ``dill`` or ``custom:<name>``."""
+        return str(self._manifest["serializer"])
+
+    @property
+    def created_at(self) -> datetime:
+        """When the cache was built (UTC)."""
+        return datetime.fromisoformat(self._manifest["created_at"])
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of the serialized records in bytes."""
+        return int(self._manifest["nbytes"])
+
+    @property
+    def num_shards(self) -> int:
+        """Number of payload shard files."""
+        return len(self._manifest["shards"])
+
+    def __len__(self) -> int:
+        return len(self._reader)
+
+    # -- records ----------------------------------------------------------------------------
+    def get_bytes(self, sample_id: int, *, verify: bool = False) -> bytes:
+        """The serialized bytes of one record.
+
+        Parameters
+        ----------
+        sample_id
+            The record's position in the source, ``0 <= sample_id < len(cache)``.
+        verify
+            Check the bytes against the checksum stored at build time; a mismatch raises
+            :class:`~dataset_rt.errors.CacheCorruptError`.
+        """
+        return self._reader.get_bytes(_as_sample_id(sample_id), verify)
+
+    def get(self, sample_id: int, *, decode: Decoder | None = None, verify: bool = False) -> Any:
+        """One record, decoded.
+
+        Parameters
+        ----------
+        sample_id
+            The record's position in the source, ``0 <= sample_id < len(cache)``.
+        decode
+            Overrides the decoder; by default the one matching the cache's serializer
+            (``pickle.loads`` for pickle), or the ``decode`` given when opening.
+        verify
+            Check the record's checksum before decoding.
+        """
+        decoder = decode if decode is not None else self._decode
+        if decoder is None:
+            raise SerializationError(
+                f"cache {self.name!r} was written with the serializer {self.serializer}; "
+                "pass decode=<function from bytes to record> to get() or to open()"
+            )
+        data = self.get_bytes(sample_id, verify=verify)
+        try:
+            return decoder(data)
+        except Exception as exc:
+            raise SerializationError(
+                f"decoding sample_id {sample_id} of cache {self.name!r} failed: {exc!r}"
+            ) from exc
+
+    # -- metadata ---------------------------------------------------------------------------
+    def _live_manifest(self) -> dict[str, Any]:
+        store = _native.Store(str(self._root))
+        manifest: dict[str, Any] = json.loads(store.manifest_json(self.name))
+        if manifest["cache_id"] != self.cache_id:
+            raise StaleCacheError(
+                f"cache {self.name!r} was rebuilt since it was opened (cache_id "
+                f"{self.cache_id} is now {manifest['cache_id']}); open it again"
+            )
+        return manifest
+
+    @property
+    def metadata_version(self) -> int:
+        """The live metadata version."""
+        return int(self._live_manifest()["metadata_version"])
+
+    def _metadata_path(self, version: int) -> Path:
+        return self.path / "metadata" / f"v{version:05d}.parquet"
+
+    @property
+    def metadata(self) -> pl.DataFrame:
+        """The live metadata table: ``cache_id``, ``sample_id``, attributes, ``weight``."""
+        version = self.metadata_version
+        if self._metadata is None or self._metadata[0] != version:
+            path = self._metadata_path(version)
+            try:
+                frame = pl.read_parquet(path)
+            except (OSError, pl.exceptions.PolarsError) as exc:
+                raise CacheCorruptError(f"{path}: unreadable metadata table: {exc}") from exc
+            self._metadata = (version, frame)
+        return self._metadata[1]
+
+    def scan(self) -> pl.LazyFrame:
+        """The live metadata table as a LazyFrame (nothing is read until collected)."""
+        return pl.scan_parquet(self._metadata_path(self.metadata_version))
+
+    # -- display ----------------------------------------------------------------------------
+    def _summary(self) -> list[tuple[str, str]]:
+        return [
+            ("name", self.name),
+            ("samples", f"{len(self):,}"),
+            ("size", format_bytes(self.nbytes)),
+            ("shards", str(self.num_shards)),
+            ("serializer", self.serializer),
+            ("cache_id", self.cache_id),
+            ("created", self.created_at.strftime("%Y-%m-%d %H:%M:%S UTC")),
+            ("path", str(self.path)),
+        ]
+
+    def __repr__(self) -> str:
+        return (
+            f"Cache({self.name!r}, samples={len(self):,}, size={format_bytes(self.nbytes)}, "
+            f"serializer={self.serializer!r}, cache_id={self.cache_id!r}, path='{self.path}')"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+            f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+            for k, v in self._summary()
+        )
+        schema = ", ".join(
+            f"{html.escape(name)}: {html.escape(str(dtype))}"
+            for name, dtype in self.scan().collect_schema().items()
+        )
+        return (
+            f"<div><b>dataset_rt.Cache</b><table>{rows}"
+            f"<tr><th style='text-align:left'>metadata</th><td style='text-align:left'>"
+            f"{schema}</td></tr></table></div>"
+        )
+
+
+def _as_sample_id(sample_id: int) -> int:
+    try:
+        value = operator.index(sample_id)
+    except TypeError:
+        raise TypeError(f"sample_id must be an int, not {type(sample_id).__name__}") from None
+    if value < 0:
+        from dataset_rt.errors import SampleIndexError
+
+        raise SampleIndexError(f"sample_id {value} is negative; ids start at 0")
+    return value
+
+
+def open(  # noqa: A001 - mirrors the builtin on purpose: drt.open(name)
+    name: str,
+    *,
+    root: PathLike | None = None,
+    decode: Callable[[bytes], Any] | None = None,
+) -> Cache:
+    """Opens an existing cache by name.
+
+    Parameters
+    ----------
+    name
+        The name the cache was built under.
+    root
+        The directory holding the caches; default ``$DATASET_RT_HOME`` or
+        ``~/.cache/dataset_rt``.
+    decode
+        Decoder for :meth:`Cache.get`; needed only for caches written with a custom
+        serializer.
+
+    Raises
+    ------
+    CacheNotFoundError
+        No cache of that name exists under the root.
+    CacheCorruptError
+        The cache's files are damaged; :class:`~dataset_rt.errors.CacheVersionError` if a
+        newer dataset_rt wrote it.
+    """
+    root_path = resolve_root(root)
+    reader = _native.Store(str(root_path)).open(name)
+    return Cache(reader, root_path, decode)
+
+
+def list_caches(root: PathLike | None = None) -> pl.DataFrame:
+    """The caches under a root, one row each: name, cache_id, samples, bytes, created.
+
+    Examples
+    --------
+    >>> import dataset_rt as drt
+    >>> drt.list_caches().columns
+    ['name', 'cache_id', 'samples', 'bytes', 'shards', 'serializer', 'created']
+    """
+    store = _native.Store(str(resolve_root(root)))
+    rows: list[dict[str, Any]] = []
+    for name in store.names():
+        try:
+            m = json.loads(store.manifest_json(name))
+        except CacheCorruptError:
+            continue
+        rows.append(
+            {
+                "name": name,
+                "cache_id": m["cache_id"],
+                "samples": m["num_samples"],
+                "bytes": m["nbytes"],
+                "shards": len(m["shards"]),
+                "serializer": m["serializer"],
+                "created": datetime.fromisoformat(m["created_at"]),
+            }
+        )
+    schema: dict[str, pl.DataType] = {
+        "name": pl.String(),
+        "cache_id": pl.String(),
+        "samples": pl.Int64(),
+        "bytes": pl.Int64(),
+        "shards": pl.Int64(),
+        "serializer": pl.String(),
+        "created": pl.Datetime("us", "UTC"),
+    }
+    return pl.DataFrame(rows, schema=schema, orient="row")

@@ -1,0 +1,180 @@
+"""The metadata table: collecting per-record attributes during a build and checking them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import polars as pl
+
+from dataset_rt.errors import MetadataError, WeightError
+
+__all__ = ["RESERVED_COLUMNS", "MetadataCollector"]
+
+RESERVED_COLUMNS = ("cache_id", "sample_id")
+"""Columns dataset_rt fills in itself; ``metadata()`` may not return them."""
+
+_DTYPES: dict[type, pl.DataType] = {
+    bool: pl.Boolean(),
+    int: pl.Int64(),
+    float: pl.Float64(),
+    str: pl.String(),
+}
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _primitive(value: Any) -> Any:
+    """Returns ``value`` as a Python primitive, unwrapping numpy scalars; raises TypeError."""
+    if value is None or type(value) in _DTYPES:
+        return value
+    item = getattr(value, "item", None)
+    # numpy scalars (np.int64(3), np.float32(0.5), np.bool_(True), np.str_("a")) are
+    # primitives in all but type; 0-d arrays are not accepted.
+    if item is not None and getattr(value, "shape", None) == () and hasattr(value, "dtype"):
+        unwrapped = item()
+        if type(unwrapped) in _DTYPES and not hasattr(value, "__len__"):
+            return unwrapped
+    raise TypeError(type(value).__name__)
+
+
+class MetadataCollector:
+    """Collects the dicts returned by the user's ``metadata(record)`` into typed columns.
+
+    Every record must return the same keys; each key keeps one type (``None`` allowed
+    anywhere). A ``weight`` key, if given, becomes the initial sampling weight.
+
+    Rows are kept as tuples and turned into columns once at the end. A row whose keys come
+    in the same order and whose values have the same Python types as the row before takes a
+    fast path of a few C-level operations; any other row is checked value by value.
+    """
+
+    def __init__(self) -> None:
+        self._keys: tuple[str, ...] | None = None
+        self._rows: list[tuple[Any, ...]] = []
+        self._types: list[type | None] = []
+        self._row_types: tuple[type, ...] | None = None
+
+    def _start(self, index: int, values: Mapping[Any, Any]) -> tuple[str, ...]:
+        for key in values:
+            if not isinstance(key, str):
+                raise MetadataError(
+                    f"metadata() returned key {key!r} for record {index}; keys must be str"
+                )
+            if key in RESERVED_COLUMNS:
+                raise MetadataError(
+                    f"metadata() returned key {key!r} for record {index}; "
+                    f"{' and '.join(RESERVED_COLUMNS)} are filled in by dataset_rt"
+                )
+        self._keys = tuple(values)
+        self._types = [None] * len(self._keys)
+        return self._keys
+
+    def add(self, index: int, values: object) -> None:
+        """Adds the metadata of record ``index``."""
+        if type(values) is dict and tuple(values) == self._keys:
+            row = tuple(values.values())
+            if tuple(map(type, row)) == self._row_types:
+                self._rows.append(row)
+                return
+        self._add_checked(index, values)
+
+    def _add_checked(self, index: int, values: object) -> None:
+        if not isinstance(values, Mapping):
+            raise MetadataError(
+                f"metadata() must return a dict of primitive values, but returned "
+                f"{type(values).__name__} for record {index}"
+            )
+        keys = self._keys if self._keys is not None else self._start(index, values)
+        if len(values) != len(keys) or any(k not in values for k in keys):
+            missing = [k for k in keys if k not in values]
+            extra = [k for k in values if k not in keys]
+            raise MetadataError(
+                f"metadata() returned different keys for record {index} than for the "
+                f"records before it (missing {missing}, unexpected {extra})"
+            )
+        row = []
+        for column, key in enumerate(keys):
+            raw = values[key]
+            try:
+                value = _primitive(raw)
+            except TypeError:
+                raise MetadataError(
+                    f"metadata key {key!r} of record {index} is {type(raw).__name__}; values "
+                    "must be int, float, bool, str or None"
+                ) from None
+            if value is not None:
+                kind = type(value)
+                if kind is int and not _INT64_MIN <= value <= _INT64_MAX:
+                    raise _out_of_range(key, index, value)
+                seen = self._types[column]
+                if seen is None:
+                    self._types[column] = kind
+                elif kind is not seen:
+                    raise MetadataError(
+                        f"metadata key {key!r} is {kind.__name__} in record {index} but "
+                        f"{seen.__name__} in earlier records; a column keeps one type"
+                    )
+            row.append(value)
+        checked = tuple(row)
+        self._rows.append(checked)
+        # Later rows of exactly these types (no None, no numpy scalars) take the fast path.
+        types = tuple(map(type, checked))
+        if all(t is not type(None) for t in types) and types == tuple(map(type, values.values())):
+            self._row_types = types
+
+    def frame(self, cache_id: str, num_samples: int) -> pl.DataFrame:
+        """The metadata table: ``cache_id``, ``sample_id``, the attributes, ``weight``."""
+        columns: list[pl.Series] = [
+            pl.repeat(cache_id, num_samples, dtype=pl.String, eager=True).alias("cache_id"),
+            pl.int_range(num_samples, dtype=pl.Int64, eager=True).alias("sample_id"),
+        ]
+        weight: pl.Series | None = None
+        keys = self._keys or ()
+        for column, (key, values) in enumerate(
+            zip(keys, zip(*self._rows, strict=True), strict=True)
+        ):
+            kind = self._types[column]
+            dtype = _DTYPES[kind] if kind is not None else pl.Null()
+            try:
+                series = pl.Series(key, values, dtype=dtype)
+            except (OverflowError, TypeError, pl.exceptions.PolarsError) as exc:
+                # Only integers beyond 64 bits get past the fast path; name the first one.
+                for index, value in enumerate(values):
+                    if type(value) is int and not _INT64_MIN <= value <= _INT64_MAX:
+                        raise _out_of_range(key, index, value) from exc
+                raise MetadataError(f"metadata key {key!r}: {exc}") from exc
+            if key == "weight":
+                weight = _initial_weight(series)
+            else:
+                columns.append(series)
+        if weight is None:
+            weight = pl.repeat(1.0, num_samples, dtype=pl.Float64, eager=True).alias("weight")
+        columns.append(weight)
+        return pl.DataFrame(columns)
+
+
+def _out_of_range(key: str, index: int, value: int) -> MetadataError:
+    return MetadataError(
+        f"metadata key {key!r} of record {index} is {value}, outside the 64-bit integer range"
+    )
+
+
+def _initial_weight(series: pl.Series) -> pl.Series:
+    """Checks a ``weight`` returned by ``metadata()`` and casts it to Float64."""
+    if not (series.dtype.is_numeric() or series.dtype == pl.Null):
+        raise WeightError(f"metadata key 'weight' must be numeric, not {series.dtype}")
+    weight = series.cast(pl.Float64)
+    bad = weight.is_null() | ~weight.is_finite() | (weight < 0)
+    if bad.any():
+        row = int(bad.arg_true()[0])
+        raise WeightError(
+            f"metadata key 'weight' is {weight[row]} for record {row}; weights must be "
+            "finite and non-negative"
+        )
+    total = weight.sum()
+    if len(weight) and (not math.isfinite(total) or total <= 0):
+        raise WeightError(f"metadata key 'weight' sums to {total}; it must be positive and finite")
+    return weight

@@ -1,0 +1,180 @@
+"""Opening and reading caches: get, metadata, listing, display, and damaged files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import polars as pl
+import pytest
+from helpers import record, same_record
+
+import dataset_rt as drt
+from dataset_rt.errors import (
+    CacheCorruptError,
+    CacheNotFoundError,
+    CacheVersionError,
+    SampleIndexError,
+    SerializationError,
+    StaleCacheError,
+)
+
+
+@pytest.fixture
+def small() -> drt.Cache:
+    return drt.cache(
+        [record(i) for i in range(200)],
+        "small",
+        metadata=lambda r: {"label": r["label"]},
+        shard_size=4096,
+        progress=False,
+    )
+
+
+def test_get_reads_every_record_back_across_shards(small: drt.Cache) -> None:
+    assert small.num_shards > 5
+    reopened = drt.open("small")
+    assert len(reopened) == 200
+    for i in range(200):
+        assert same_record(reopened.get(i), record(i))
+        assert same_record(reopened.get(i, verify=True), record(i))
+
+
+def test_out_of_range_and_non_int_ids(small: drt.Cache) -> None:
+    with pytest.raises(SampleIndexError, match="sample_id 200 is out of range.*200 samples"):
+        small.get(200)
+    with pytest.raises(SampleIndexError, match="negative"):
+        small.get_bytes(-1)
+    with pytest.raises(TypeError, match="sample_id must be an int"):
+        small.get("3")  # type: ignore[arg-type]
+    import numpy as np
+
+    assert small.get(np.int64(3))["label"] == 3  # type: ignore[arg-type]
+
+
+def test_repr_and_html(small: drt.Cache) -> None:
+    text = repr(small)
+    assert text.startswith("Cache('small', samples=200,")
+    assert small.cache_id in text
+    page = small._repr_html_()
+    assert "<table>" in page and "label: Int64" in page and small.cache_id in page
+
+
+def test_list_caches(small: drt.Cache) -> None:
+    drt.cache(range(3), "another", progress=False)
+    table = drt.list_caches()
+    assert table["name"].to_list() == ["another", "small"]
+    row = table.filter(pl.col("name") == "small").row(0, named=True)
+    assert row["cache_id"] == small.cache_id
+    assert row["samples"] == 200
+    assert row["bytes"] == small.nbytes
+    assert table.schema["created"] == pl.Datetime("us", "UTC")
+    assert drt.list_caches(small.root / "nowhere").height == 0
+
+
+def test_opening_reads_no_payload_bytes(tmp_path: Path) -> None:
+    big = [os.urandom(64 << 10) for _ in range(256)]  # 16 MiB of payload
+    c = drt.cache(big, "big", progress=False)
+    io_path = Path("/proc/self/io")
+    if not io_path.exists():
+        pytest.skip("needs /proc/self/io")
+
+    def rchar() -> int:
+        return int(io_path.read_text().split("rchar:")[1].split()[0])
+
+    before = rchar()
+    opened = drt.open("big")
+    read = rchar() - before
+    assert len(opened) == 256
+    # The manifest is read with read(2); the index and shards are mapped, not read.
+    assert read < 64 << 10, f"open read {read} bytes"
+    assert opened.get(255) == big[255]
+    assert c.cache_id == opened.cache_id
+
+
+def test_payloads_are_not_checked_at_open_but_verify_catches_damage(small: drt.Cache) -> None:
+    shard = small.path / "shards" / "00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[100:] = bytes(len(data) - 100)  # zero every record in the first shard
+    shard.write_bytes(bytes(data))
+    damaged = drt.open("small")  # same sizes: opens without reading payloads
+    with pytest.raises(CacheCorruptError, match=r"00000.bin: sample_id 0 fails its checksum"):
+        damaged.get(0, verify=True)
+    with pytest.raises(SerializationError, match="decoding sample_id 0"):
+        damaged.get(0)
+
+
+def test_missing_cache_names_name_and_root() -> None:
+    with pytest.raises(CacheNotFoundError, match="no cache 'absent' under"):
+        drt.open("absent")
+
+
+def _manifest(c: drt.Cache) -> tuple[Path, dict[str, object]]:
+    path = c.path / "manifest.json"
+    return path, json.loads(path.read_text())
+
+
+def test_newer_format_version(small: drt.Cache) -> None:
+    path, manifest = _manifest(small)
+    manifest["format_version"] = 99
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CacheVersionError, match="format version 99"):
+        drt.open("small")
+    with pytest.raises(CacheVersionError, match="overwrite=True"):
+        drt.cache([1], "small", progress=False)
+    assert len(drt.cache([1], "small", overwrite=True, progress=False)) == 1
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncate-shard", r"shards/00002.bin: file is \d+ bytes but the manifest records"),
+        ("delete-shard", r"shards/00001.bin: file is missing"),
+        ("truncate-index", r"index.arrow: file is \d+ bytes"),
+        ("garble-index", r"index.arrow"),
+        ("garble-manifest", r"manifest.json: not valid JSON"),
+        ("manifest-escape", r"leaves the cache directory"),
+        ("bad-shard-header", r"00000.bin: not a dataset_rt shard"),
+    ],
+)
+def test_damaged_files_raise_naming_the_file(small: drt.Cache, damage: str, message: str) -> None:
+    path = small.path
+    if damage == "truncate-shard":
+        shard = path / "shards" / "00002.bin"
+        shard.write_bytes(shard.read_bytes()[:-10])
+    elif damage == "delete-shard":
+        (path / "shards" / "00001.bin").unlink()
+    elif damage == "truncate-index":
+        index = path / "index.arrow"
+        index.write_bytes(index.read_bytes()[:100])
+    elif damage == "garble-index":
+        index = path / "index.arrow"
+        index.write_bytes(bytes(len(index.read_bytes())))
+    elif damage == "garble-manifest":
+        (path / "manifest.json").write_text("{not json")
+    elif damage == "manifest-escape":
+        manifest_path, manifest = _manifest(small)
+        manifest["index"]["file"] = "../../etc/passwd"  # type: ignore[index]
+        manifest_path.write_text(json.dumps(manifest))
+    elif damage == "bad-shard-header":
+        shard = path / "shards" / "00000.bin"
+        data = bytearray(shard.read_bytes())
+        data[:8] = b"NOTSHARD"
+        shard.write_bytes(bytes(data))
+    with pytest.raises(CacheCorruptError, match=message):
+        drt.open("small")
+
+
+def test_metadata_file_damage_is_a_clear_error(small: drt.Cache) -> None:
+    (small.path / "metadata" / "v00001.parquet").write_bytes(b"garbage")
+    with pytest.raises(CacheCorruptError, match="v00001.parquet: unreadable metadata table"):
+        _ = drt.open("small").metadata
+
+
+def test_an_object_of_a_rebuilt_cache_fails_loudly(small: drt.Cache) -> None:
+    drt.cache([1, 2], "small", overwrite=True, progress=False)
+    with pytest.raises(StaleCacheError, match="was rebuilt since it was opened"):
+        _ = small.metadata
+    # The old object's mapped records stay readable: its files are still mapped.
+    assert same_record(small.get(5), record(5))

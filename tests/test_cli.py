@@ -1,0 +1,64 @@
+"""The dataset-rt command line: ls, info, demo, exit codes, --root and DATASET_RT_HOME."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dataset_rt as drt
+from dataset_rt.cli import main
+
+
+def test_ls_and_info(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls"]) == 0
+    assert "no caches" in capsys.readouterr().out
+    c = drt.cache(range(7), "cli-cache", metadata=lambda i: {"even": i % 2 == 0}, progress=False)
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "cli-cache" in out and c.cache_id in out
+    assert main(["info", "cli-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "samples     7" in out
+    assert "even" in out and "Boolean" in out
+    assert "metadata    version 1" in out
+
+
+def test_root_option_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "other-root"
+    drt.cache(range(2), "elsewhere", root=other, progress=False)
+    assert main(["info", "elsewhere"]) == 1
+    assert "no cache 'elsewhere'" in capsys.readouterr().err
+    assert main(["info", "elsewhere", "--root", str(other)]) == 0
+    assert main(["info", "bad/name"]) == 1
+    assert "invalid cache name 'bad/name'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        main(["frobnicate"])
+    assert usage.value.code == 2
+
+
+def test_console_script_help_for_each_command() -> None:
+    exe = Path(sys.executable).parent / "dataset-rt"
+    for args in ([], ["ls"], ["info"], ["demo"]):
+        result = subprocess.run(
+            [str(exe), *args, "--help"], capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 0, result.stderr
+        assert "usage: dataset-rt" in result.stdout
+
+
+def test_demo_caches_real_digits_and_reads_them_back(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "Cache('sklearn-digits-v1', samples=1,797" in out
+    assert "Class counts" in out
+    assert "Record 0 read back: label=0, image (8, 8)" in out
+    assert "sum to 1.000000" in out
+    digits = drt.open("sklearn-digits-v1")
+    counts = digits.metadata.group_by("label").len()
+    assert counts.height == 10 and counts["len"].sum() == 1797
+    # The second run reuses the cache instead of rebuilding it.
+    assert main(["demo"]) == 0
+    assert drt.open("sklearn-digits-v1").cache_id == digits.cache_id

@@ -1,0 +1,163 @@
+"""Crash safety and concurrent builders, with real processes and real SIGKILLs."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from helpers import python_child
+
+import dataset_rt as drt
+from dataset_rt.errors import CacheNotFoundError
+
+# A child that builds "victim" from 400 records of 2 KiB (shards of 64 KiB, so ~13 shards)
+# and kills itself with SIGKILL at the point named by $KILL_AT.
+BUILD_AND_DIE = """
+import os, signal, sys
+import dataset_rt as drt
+import dataset_rt.build as build
+
+kill_at = os.environ["KILL_AT"]
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def source():
+    for i in range(400):
+        if kill_at == f"record-{i}":
+            die()
+        yield bytes([i % 256]) * 2048
+
+if kill_at == "after-metadata":
+    build._fsync = lambda path: die()
+
+drt.cache(source, "victim", metadata=lambda r: {"first": r[0]}, shard_size=64 << 10,
+          overwrite=os.environ.get("OVERWRITE") == "1", progress=False)
+print("finished")
+"""
+
+KILL_POINTS = [
+    "record-0",  # before the first record reaches a shard
+    "record-1",
+    "record-150",  # mid-shard
+    "record-32",  # right at a shard boundary (32 records of 2 KiB per 64 KiB shard)
+    "record-399",  # the last record
+    "after-metadata",  # everything written but the index and the manifest
+]
+
+
+def _run_and_kill(env: dict[str, str]) -> None:
+    child = python_child(BUILD_AND_DIE, env)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL, (child.returncode, out, err)
+    assert "finished" not in out
+
+
+@pytest.mark.parametrize("kill_at", KILL_POINTS)
+def test_killed_build_leaves_nothing_openable_and_the_next_call_rebuilds(kill_at: str) -> None:
+    _run_and_kill({"KILL_AT": kill_at})
+    with pytest.raises(CacheNotFoundError):
+        drt.open("victim")
+    assert "victim" not in drt.list_caches()["name"].to_list()
+    rebuilt = drt.cache((bytes([i % 256]) * 2048 for i in range(400)), "victim", progress=False)
+    assert len(rebuilt) == 400
+    assert rebuilt.get(399) == bytes([399 % 256]) * 2048
+    hidden = [p.name for p in rebuilt.root.iterdir() if p.name.startswith(".victim.build")]
+    assert hidden == [], "the next build must remove what the crash left"
+
+
+@pytest.mark.parametrize("kill_at", ["record-150", "after-metadata"])
+def test_killed_rebuild_keeps_the_old_cache(kill_at: str) -> None:
+    old = drt.cache([b"old"] * 10, "victim", progress=False)
+    _run_and_kill({"KILL_AT": kill_at, "OVERWRITE": "1"})
+    kept = drt.open("victim")
+    assert kept.cache_id == old.cache_id
+    assert [kept.get(i) for i in range(10)] == [b"old"] * 10
+    assert kept.metadata.height == 10
+
+
+def test_kill_at_random_moments_never_leaves_a_half_cache() -> None:
+    # A longer build (about a second) killed from outside at spread-out moments.
+    code = """
+    import time
+    import dataset_rt as drt
+
+    def source():
+        for i in range(40000):
+            if i % 1000 == 0:
+                time.sleep(0.02)  # stretch the build to about a second
+            yield bytes(1024)
+
+    drt.cache(source, "timed", shard_size=1 << 20, progress=False)
+    print("finished")
+    """
+    outcomes = set()
+    for delay in (0.1, 0.4, 0.7, 0.9, 1.1, 1.3, 1.5, 1.8, 3.0):
+        child = python_child(code)
+        time.sleep(delay)
+        child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=60)
+        try:
+            c = drt.open("timed")
+        except CacheNotFoundError:
+            outcomes.add("absent")
+        else:
+            # A cache that opens is complete: every record is readable and intact.
+            assert len(c) == 40000
+            assert c.get(39999, verify=True) == bytes(1024)
+            assert c.metadata.height == 40000
+            outcomes.add("complete")
+            shutil.rmtree(c.path)  # start the next round from nothing
+    assert "absent" in outcomes, outcomes
+
+
+CONCURRENT_BUILDER = """
+import json, os, sys, time
+import dataset_rt as drt
+
+marker = os.environ["MARKER"]
+sync = os.environ["SYNC"]
+open(os.path.join(sync, f"ready-{os.getpid()}"), "w").close()
+while not os.path.exists(os.path.join(sync, "go")):  # start all callers at once
+    time.sleep(0.005)
+
+def source():
+    with open(marker, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    for i in range(300):
+        time.sleep(0.002)  # a build slow enough for the others to arrive meanwhile
+        yield {"i": i}
+
+c = drt.cache(source, "shared", metadata=lambda r: {"i": r["i"]},
+              overwrite=os.environ.get("OVERWRITE") == "1", progress=False)
+print(json.dumps({"cache_id": c.cache_id, "n": len(c), "last": c.get(299)["i"]}))
+"""
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_concurrent_callers_build_once_and_all_open_it(tmp_path: Path, overwrite: bool) -> None:
+    import json
+
+    marker = tmp_path / "builders.txt"
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    env = {"MARKER": str(marker), "SYNC": str(sync), "OVERWRITE": "1" if overwrite else "0"}
+    children = [python_child(CONCURRENT_BUILDER, env) for _ in range(4)]
+    deadline = time.monotonic() + 120
+    while len(list(sync.glob("ready-*"))) < len(children):
+        assert time.monotonic() < deadline, "children did not start"
+        assert all(c.poll() is None for c in children), "a child exited early"
+        time.sleep(0.01)
+    (sync / "go").touch()
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=180)
+        assert child.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    builders = marker.read_text().split()
+    assert len(builders) == 1, f"{len(builders)} processes built the cache"
+    assert len({r["cache_id"] for r in results}) == 1
+    assert all(r["n"] == 300 and r["last"] == 299 for r in results)
