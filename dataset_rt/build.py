@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dataset_rt import _native
-from dataset_rt.cache import Cache, PathLike, resolve_root
+from dataset_rt.cache import Cache, PathLike, fsync_file, resolve_root
 from dataset_rt.errors import (
     ArgumentError,
     CacheCorruptError,
@@ -224,18 +223,10 @@ def _build(
         frame = collector.frame(builder.cache_id, builder.num_samples)
         path = builder.metadata_path(FIRST_METADATA_VERSION)
         frame.write_parquet(path)
-        _fsync(path)
+        fsync_file(path)
         builder.finish(ser_name, FIRST_METADATA_VERSION)
         ok = True
     finally:
         if not ok:
             builder.abort()
         bar.close(ok=ok)
-
-
-def _fsync(path: Any) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -7,18 +7,22 @@ import json
 import operator
 import os
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from dataset_rt import _native
+from dataset_rt import _native, registry
 from dataset_rt.errors import (
     CacheCorruptError,
+    CacheNotFoundError,
+    MetadataError,
+    SampleIndexError,
     SerializationError,
     StaleCacheError,
 )
+from dataset_rt.metadata import checked_edit
 from dataset_rt.progress import format_bytes
 from dataset_rt.serialize import Decoder, decoder_for
 
@@ -63,6 +67,7 @@ class Cache:
         self._manifest = manifest
         self._decode = decode if decode is not None else decoder_for(manifest["serializer"])
         self._metadata: tuple[int, pl.DataFrame] | None = None
+        registry.remember(self)
 
     # -- identity -------------------------------------------------------------------------
     @property
@@ -162,28 +167,124 @@ class Cache:
 
     @property
     def metadata_version(self) -> int:
-        """The live metadata version."""
+        """The live metadata version: the one :attr:`metadata` returns."""
         return int(self._live_manifest()["metadata_version"])
 
     def _metadata_path(self, version: int) -> Path:
         return self.path / "metadata" / f"v{version:05d}.parquet"
+
+    def _read_metadata(self, version: int) -> pl.DataFrame:
+        path = self._metadata_path(version)
+        try:
+            return pl.read_parquet(path)
+        except (OSError, pl.exceptions.PolarsError) as exc:
+            raise CacheCorruptError(f"{path}: unreadable metadata table: {exc}") from exc
 
     @property
     def metadata(self) -> pl.DataFrame:
         """The live metadata table: ``cache_id``, ``sample_id``, attributes, ``weight``."""
         version = self.metadata_version
         if self._metadata is None or self._metadata[0] != version:
-            path = self._metadata_path(version)
-            try:
-                frame = pl.read_parquet(path)
-            except (OSError, pl.exceptions.PolarsError) as exc:
-                raise CacheCorruptError(f"{path}: unreadable metadata table: {exc}") from exc
-            self._metadata = (version, frame)
+            self._metadata = (version, self._read_metadata(version))
         return self._metadata[1]
 
     def scan(self) -> pl.LazyFrame:
         """The live metadata table as a LazyFrame (nothing is read until collected)."""
         return pl.scan_parquet(self._metadata_path(self.metadata_version))
+
+    def metadata_versions(self) -> pl.DataFrame:
+        """Every saved metadata version: ``version``, ``rows``, ``columns``, ``saved``, ``live``.
+
+        Versions are never deleted by dataset_rt; :meth:`metadata_at` reads any of them.
+        """
+        manifest = self._live_manifest()
+        rows = []
+        for version in manifest["metadata_versions"]:
+            path = self._metadata_path(version)
+            schema = pl.read_parquet_schema(path)
+            rows.append(
+                {
+                    "version": version,
+                    "rows": pl.scan_parquet(path).select(pl.len()).collect().item(),
+                    "columns": list(schema),
+                    "saved": datetime.fromtimestamp(path.stat().st_mtime, tz=UTC),
+                    "live": version == manifest["metadata_version"],
+                }
+            )
+        return pl.DataFrame(
+            rows,
+            schema={
+                "version": pl.Int64(),
+                "rows": pl.Int64(),
+                "columns": pl.List(pl.String()),
+                "saved": pl.Datetime("us", "UTC"),
+                "live": pl.Boolean(),
+            },
+            orient="row",
+        )
+
+    def metadata_at(self, version: int) -> pl.DataFrame:
+        """The metadata table as saved in ``version``."""
+        versions = self._live_manifest()["metadata_versions"]
+        if version not in versions:
+            raise MetadataError(
+                f"cache {self.name!r} has no metadata version {version!r}; it has {versions}"
+            )
+        return self._read_metadata(version)
+
+    def save_metadata(self, frame: pl.DataFrame | pl.LazyFrame) -> int:
+        """Saves an edited metadata table as the new live version; returns its number.
+
+        Rows may be filtered out (they are then never sampled) and columns added, such as a
+        per-sample loss joined on ``sample_id``. Payload shards are not touched. The table
+        is checked first and nothing is written if it is rejected; the save itself is
+        atomic, and earlier versions stay readable with :meth:`metadata_at`.
+
+        Parameters
+        ----------
+        frame
+            A table with this cache's ``cache_id`` and ``sample_id`` columns and a numeric
+            ``weight`` column.
+
+        Raises
+        ------
+        MetadataError
+            Rows of another cache or of no sample of this one, duplicated ``sample_id``, or
+            a missing or non-numeric ``weight``.
+        WeightError
+            Negative, NaN, infinite or null weights, or all weights zero.
+        StaleCacheError
+            The cache was rebuilt since this object was opened.
+        """
+        if isinstance(frame, pl.LazyFrame):
+            frame = frame.collect()
+        if not isinstance(frame, pl.DataFrame):
+            raise TypeError(
+                f"save_metadata needs a polars DataFrame or LazyFrame, not {type(frame).__name__}"
+            )
+        checked = checked_edit(frame, self.cache_id, len(self), self.name)
+        store = _native.Store(str(self._root))
+        with store.lock(self.name) as lock:
+            versions = self._live_manifest()["metadata_versions"]
+            version = int(max(versions)) + 1
+            final = self._metadata_path(version)
+            tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+            try:
+                checked.write_parquet(tmp)
+                fsync_file(tmp)
+                os.replace(tmp, final)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            try:
+                store.commit_metadata(lock, self.cache_id, version)
+            except CacheNotFoundError as exc:
+                final.unlink(missing_ok=True)
+                raise StaleCacheError(
+                    f"cache {self.name!r} was rebuilt since it was opened; nothing was saved"
+                ) from exc
+        self._metadata = (version, checked)
+        return version
 
     # -- display ----------------------------------------------------------------------------
     def _summary(self) -> list[tuple[str, str]]:
@@ -221,14 +322,21 @@ class Cache:
         )
 
 
+def fsync_file(path: PathLike) -> None:
+    """Flushes a file's contents to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _as_sample_id(sample_id: int) -> int:
     try:
         value = operator.index(sample_id)
     except TypeError:
         raise TypeError(f"sample_id must be an int, not {type(sample_id).__name__}") from None
     if value < 0:
-        from dataset_rt.errors import SampleIndexError
-
         raise SampleIndexError(f"sample_id {value} is negative; ids start at 0")
     return value
 

@@ -178,3 +178,72 @@ def _initial_weight(series: pl.Series) -> pl.Series:
     if len(weight) and (not math.isfinite(total) or total <= 0):
         raise WeightError(f"metadata key 'weight' sums to {total}; it must be positive and finite")
     return weight
+
+
+def _first(mask: pl.Series, values: pl.Series) -> object:
+    return values.filter(mask).head(1).item()
+
+
+def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str) -> pl.DataFrame:
+    """Checks an edited metadata table before it is saved as a new version of a cache.
+
+    Rows may have been filtered out and columns added. Returns the table with ``sample_id``
+    as Int64 and ``weight`` as Float64.
+
+    Raises
+    ------
+    MetadataError
+        A required column is missing or of the wrong type, a row belongs to another cache or
+        to no sample of this one, or a ``sample_id`` appears twice.
+    WeightError
+        A weight is null, negative, NaN or infinite, or all weights are zero.
+    """
+    missing = [c for c in (*RESERVED_COLUMNS, "weight") if c not in frame.columns]
+    if missing:
+        raise MetadataError(
+            f"the metadata table lacks column(s) {missing}; cache_id, sample_id and weight "
+            "link each row to its sample and its sampling weight"
+        )
+    schema = frame.schema
+    if schema["cache_id"] not in (pl.String, pl.Categorical) and not isinstance(
+        schema["cache_id"], pl.Enum
+    ):
+        raise MetadataError(f"column 'cache_id' must hold strings, not {schema['cache_id']}")
+    if not schema["sample_id"].is_integer():
+        raise MetadataError(f"column 'sample_id' must hold integers, not {schema['sample_id']}")
+    if not schema["weight"].is_numeric():
+        raise MetadataError(f"column 'weight' must be numeric, not {schema['weight']}")
+
+    cache_ids = frame["cache_id"].cast(pl.String)
+    foreign = cache_ids.ne_missing(cache_id)
+    if foreign.any():
+        raise MetadataError(
+            f"{foreign.sum()} row(s) do not belong to cache {name!r} (cache_id {cache_id}); "
+            f"the first has cache_id {_first(foreign, cache_ids)!r}. Filter the frame to "
+            "this cache's rows before saving it"
+        )
+    ids = frame["sample_id"]
+    outside = ids.is_null() | (ids < 0) | (ids >= num_samples)
+    if outside.any():
+        raise MetadataError(
+            f"sample_id {_first(outside, ids)} is not a sample of cache {name!r}, which has "
+            f"sample ids 0 to {num_samples - 1}"
+        )
+    duplicated = ids.is_duplicated()
+    if duplicated.any():
+        raise MetadataError(
+            f"sample_id {_first(duplicated, ids)} appears more than once; each sample has one "
+            "row (use the weight to sample it more often)"
+        )
+    weight = frame["weight"].cast(pl.Float64)
+    bad = weight.is_null() | ~weight.is_finite() | (weight < 0)
+    if bad.any():
+        raise WeightError(
+            f"weight {_first(bad, weight)} of sample_id {_first(bad, ids)} is not allowed; "
+            "weights must be finite and non-negative"
+        )
+    if not weight.sum() > 0:
+        raise WeightError(
+            "all weights are zero (or the table is empty): nothing could ever be drawn"
+        )
+    return frame.with_columns(ids.cast(pl.Int64), weight)

@@ -1,17 +1,25 @@
-"""The ``.drt`` namespace registered on Polars expressions when dataset_rt is imported."""
+"""The ``.drt`` namespaces registered on Polars expressions and frames by ``import dataset_rt``.
+
+Type checkers do not see namespaces registered at runtime; the functions in
+:mod:`dataset_rt.plugins` are the typed equivalents of the expression namespace.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import polars as pl
 
-from dataset_rt import plugins
+from dataset_rt import plugins, summary
+from dataset_rt.cache import PathLike
 
-__all__ = ["DrtExprNamespace"]
+__all__ = ["DrtExprNamespace", "DrtFrameNamespace", "DrtLazyFrameNamespace"]
 
 
 @pl.api.register_expr_namespace("drt")
 class DrtExprNamespace:
-    """dataset_rt's expressions: ``pl.col("weight").drt.normalize()``."""
+    """dataset_rt's expressions: ``pl.col("label").drt.balance()`` and friends."""
 
     def __init__(self, expr: pl.Expr) -> None:
         self._expr = expr
@@ -34,3 +42,97 @@ class DrtExprNamespace:
         └────────┘
         """
         return plugins.normalize(self._expr)
+
+    def balance(
+        self, *more: plugins.IntoExpr, power: float = 1.0, weight: plugins.IntoExpr | None = None
+    ) -> pl.Expr:
+        """Weights that equalise the groups of this column (and ``more`` columns).
+
+        ``power=1`` gives every group the same total weight, ``power=0`` keeps the natural
+        distribution, values in between temper it; see :func:`dataset_rt.plugins.balance`.
+
+        Examples
+        --------
+        >>> import polars as pl, dataset_rt
+        >>> df = pl.DataFrame({"label": ["a", "a", "a", "b"]})
+        >>> df.select(pl.col("label").drt.balance())["label"].to_list()
+        [0.6666666666666666, 0.6666666666666666, 0.6666666666666666, 2.0]
+        """
+        return plugins.balance(self._expr, *more, power=power, weight=weight)
+
+    def split(self, fractions: Mapping[str, float], *, seed: int = 0) -> pl.Expr:
+        """The split each id falls into, by a stable hash; see :func:`dataset_rt.plugins.split`.
+
+        Examples
+        --------
+        >>> import polars as pl, dataset_rt
+        >>> ids = pl.DataFrame({"sample_id": range(10_000)})
+        >>> parts = ids.select(pl.col("sample_id").drt.split({"train": 0.9, "val": 0.1}))
+        >>> parts["sample_id"].value_counts(sort=True)["count"].to_list()
+        [8983, 1017]
+        """
+        return plugins.split(self._expr, fractions, seed=seed)
+
+    def effective_size(self) -> pl.Expr:
+        """Kish's effective sample size of this weight column (an aggregation).
+
+        Examples
+        --------
+        >>> import polars as pl, dataset_rt
+        >>> pl.DataFrame({"w": [1.0, 1.0, 2.0]}).select(pl.col("w").drt.effective_size()).item()
+        2.6666666666666665
+        """
+        return plugins.effective_size(self._expr)
+
+
+class _FrameMethods:
+    """What the DataFrame and LazyFrame namespaces share."""
+
+    _lazy: pl.LazyFrame
+
+    def records(self, n: int = 5, *, root: PathLike | None = None) -> list[Any]:
+        """Decodes the payloads behind the first ``n`` rows, to look at the samples of a query.
+
+        Rows may come from several caches; each is read from its own cache, found by its
+        ``cache_id`` among the caches opened in this process, or under ``root``.
+        """
+        return summary.records(self._lazy, n, root=root)
+
+
+@pl.api.register_dataframe_namespace("drt")
+class DrtFrameNamespace(_FrameMethods):
+    """dataset_rt's methods on a metadata DataFrame: ``df.drt.summary(by="label")``."""
+
+    def __init__(self, frame: pl.DataFrame) -> None:
+        self._frame = frame
+        self._lazy = frame.lazy()
+
+    def summary(
+        self, by: str | Sequence[str], *, weight: str = "weight", num_samples: int | None = None
+    ) -> pl.DataFrame:
+        """Per-group sample counts, natural and weighted shares, and expected draws.
+
+        Columns: the ``by`` columns, ``samples``, ``natural_share`` (share of rows),
+        ``weight_share`` (share of the total weight: the probability that a draw lands in
+        the group), ``expected_draws`` (per epoch of ``num_samples`` draws, by default one
+        per row) and ``boost`` (``weight_share / natural_share``).
+        """
+        return summary.summary(self._lazy, by, weight=weight, num_samples=num_samples).collect()
+
+    def plot(self, by: str, *, weight: str = "weight") -> Any:
+        """Draws the natural vs. weighted distribution of ``by`` (matplotlib); returns the Axes."""
+        return summary.plot(self._frame, by, weight=weight)
+
+
+@pl.api.register_lazyframe_namespace("drt")
+class DrtLazyFrameNamespace(_FrameMethods):
+    """dataset_rt's methods on a metadata LazyFrame."""
+
+    def __init__(self, frame: pl.LazyFrame) -> None:
+        self._lazy = frame
+
+    def summary(
+        self, by: str | Sequence[str], *, weight: str = "weight", num_samples: int | None = None
+    ) -> pl.LazyFrame:
+        """The lazy version of ``DataFrame.drt.summary``."""
+        return summary.summary(self._lazy, by, weight=weight, num_samples=num_samples)

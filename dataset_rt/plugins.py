@@ -1,25 +1,38 @@
 """The Rust expression plugins, as functions returning ``pl.Expr``.
 
-These are what the ``.drt`` namespace calls; they are also usable directly:
-``dataset_rt.plugins.normalize(pl.col("weight"))``.
+The ``.drt`` namespace forwards to these; they can also be called directly, for example
+``dataset_rt.plugins.balance("label", "source")``. All of them run inside Polars, eagerly or
+lazily, in ``select``, ``with_columns``, ``filter``, ``group_by().agg()`` and ``over()``, and
+with the streaming engine.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from numbers import Real
 from pathlib import Path
 
 import polars as pl
 from polars.plugins import register_plugin_function
 
 from dataset_rt import _native
+from dataset_rt.errors import ArgumentError
 
-__all__ = ["PLUGIN_PATH", "normalize"]
+__all__ = ["PLUGIN_PATH", "balance", "effective_size", "normalize", "split"]
 
 PLUGIN_PATH = Path(_native.__file__)
 """The native module's file, which also exports the plugin functions."""
 
+IntoExpr = pl.Expr | str
+"""A column name or an expression."""
 
-def normalize(weight: pl.Expr | str) -> pl.Expr:
+
+def _expr(value: IntoExpr) -> pl.Expr:
+    return pl.col(value) if isinstance(value, str) else value
+
+
+def normalize(weight: IntoExpr) -> pl.Expr:
     """Probabilities proportional to ``weight``, summing to 1.
 
     Raises (when the expression runs) a ``ComputeError`` naming the row for a negative,
@@ -28,6 +41,104 @@ def normalize(weight: pl.Expr | str) -> pl.Expr:
     return register_plugin_function(
         plugin_path=PLUGIN_PATH,
         function_name="normalize",
-        args=[pl.col(weight) if isinstance(weight, str) else weight],
+        args=[_expr(weight)],
         is_elementwise=False,
+    )
+
+
+def effective_size(weight: IntoExpr) -> pl.Expr:
+    """Kish's effective sample size ``(Σw)² / Σw²``, an aggregation returning one value.
+
+    It says how many equally weighted samples carry as much information as the weighted
+    ones: ``n`` for uniform weights, down to 1 when one row holds all the weight.
+    """
+    return register_plugin_function(
+        plugin_path=PLUGIN_PATH,
+        function_name="effective_size",
+        args=[_expr(weight)],
+        is_elementwise=False,
+        returns_scalar=True,
+    )
+
+
+def balance(*keys: IntoExpr, power: float = 1.0, weight: IntoExpr | None = None) -> pl.Expr:
+    """Per-row weights that equalise the groups formed by ``keys``.
+
+    Row ``i`` of group ``g`` gets ``w_i · W_g^(-power)``, where ``w_i`` is its ``weight``
+    (1 without one) and ``W_g`` the group's total; the result is scaled so that it sums to
+    what the input weights summed to. ``power=1`` gives every group the same total,
+    ``power=0`` leaves the natural distribution, values in between temper it. Nulls form a
+    group of their own.
+
+    Parameters
+    ----------
+    *keys
+        One or more columns (or a struct) whose combined values define the groups.
+    power
+        Between 0 and 1.
+    weight
+        Existing weights to rebalance, so that within each group rows keep their shares.
+    """
+    if not keys:
+        raise ArgumentError("balance needs at least one column defining the groups")
+    if isinstance(power, bool) or not isinstance(power, Real) or not 0.0 <= power <= 1.0:
+        raise ArgumentError(
+            f"power must be a number between 0 (natural) and 1 (equal groups), got {power!r}"
+        )
+    args = [_expr(k) for k in keys]
+    if weight is not None:
+        args.append(_expr(weight))
+    return register_plugin_function(
+        plugin_path=PLUGIN_PATH,
+        function_name="balance",
+        args=args,
+        kwargs={"power": float(power), "weighted": weight is not None},
+        is_elementwise=False,
+    )
+
+
+def split(ids: IntoExpr, fractions: Mapping[str, float], *, seed: int = 0) -> pl.Expr:
+    """The name of the split each id falls into, by a stable hash of the id.
+
+    The split of an id depends only on the id, ``seed`` and ``fractions``: not on the other
+    rows, their order, the process, the machine or the Polars version. Integer ids are hashed
+    as 64-bit integers and string ids by their UTF-8 bytes (xxh3-64); null ids stay null.
+    Split by a group id (a patient, a source file) to keep each group in one split.
+
+    Parameters
+    ----------
+    ids
+        Integer or string ids, typically ``sample_id``.
+    fractions
+        Split name → fraction; fractions are positive and sum to 1.
+    seed
+        An integer in ``[0, 2**64)``; another seed gives an independent split.
+    """
+    if not isinstance(fractions, Mapping) or not fractions:
+        raise ArgumentError(
+            f"fractions must be a non-empty mapping of split name to fraction, got {fractions!r}"
+        )
+    names = list(fractions)
+    values = list(fractions.values())
+    for name, value in zip(names, values, strict=True):
+        if not isinstance(name, str) or not name:
+            raise ArgumentError(f"split names must be non-empty strings, got {name!r}")
+        if isinstance(value, bool) or not isinstance(value, Real) or not value > 0:
+            raise ArgumentError(f"fraction of split {name!r} must be positive, got {value!r}")
+    total = math.fsum(float(v) for v in values)
+    if abs(total - 1.0) > 1e-9:
+        raise ArgumentError(f"split fractions must sum to 1, but {fractions!r} sums to {total}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ArgumentError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return register_plugin_function(
+        plugin_path=PLUGIN_PATH,
+        function_name="split",
+        args=[_expr(ids)],
+        # Plugin kwargs decode integers up to 2**63 - 1; the seed's bits travel as an i64.
+        kwargs={
+            "names": names,
+            "fractions": [float(v) for v in values],
+            "seed_bits": seed - 2**64 if seed >= 2**63 else seed,
+        },
+        is_elementwise=True,
     )

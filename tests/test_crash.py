@@ -32,7 +32,7 @@ def source():
         yield bytes([i % 256]) * 2048
 
 if kill_at == "after-metadata":
-    build._fsync = lambda path: die()
+    build.fsync_file = lambda path: die()
 
 drt.cache(source, "victim", metadata=lambda r: {"first": r[0]}, shard_size=64 << 10,
           overwrite=os.environ.get("OVERWRITE") == "1", progress=False)

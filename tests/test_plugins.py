@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import polars as pl
 import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from polars.exceptions import ComputeError
 
 import dataset_rt as drt
 from dataset_rt import plugins
 
-PLUGIN_FUNCTIONS = ["normalize"]
+PLUGIN_FUNCTIONS = ["balance", "effective_size", "normalize", "split"]
 
 
 def test_every_plugin_function_is_exported_from_the_native_module() -> None:
@@ -69,3 +73,215 @@ def test_normalize_rejects_non_numeric_columns() -> None:
     df = pl.DataFrame({"weight": ["heavy"]})
     with pytest.raises(ComputeError, match="weight column 'weight' must be numeric, not str"):
         df.select(pl.col("weight").drt.normalize())
+
+
+# -- balance --------------------------------------------------------------------------------
+def _group_totals(df: pl.DataFrame, by: list[str], weight: str) -> list[float]:
+    totals = df.group_by(by).agg(pl.col(weight).sum())[weight].to_list()
+    return sorted(totals)
+
+
+def test_balance_exact_values_and_power() -> None:
+    df = pl.DataFrame({"label": ["a", "a", "a", "b"]})
+    equal = df.select(pl.col("label").drt.balance())["label"].to_list()
+    assert equal == pytest.approx([2 / 3, 2 / 3, 2 / 3, 2.0])
+    natural = df.select(pl.col("label").drt.balance(power=0.0))["label"].to_list()
+    assert natural == [1.0, 1.0, 1.0, 1.0]
+    half = df.select(pl.col("label").drt.balance(power=0.5))["label"].to_list()
+    # Group totals proportional to sqrt(3) : 1, rescaled to sum to 4.
+    scale = 4 / (3**0.5 + 1)
+    assert half == pytest.approx([scale / 3**0.5] * 3 + [scale])
+
+
+def test_balance_several_columns_struct_and_nulls() -> None:
+    df = pl.DataFrame(
+        {"label": ["a", "a", "b", None, None], "src": [1, 2, 1, 1, 1]},
+        schema={"label": pl.String, "src": pl.Int64},
+    )
+    by_exprs = df.with_columns(w=pl.col("label").drt.balance("src"))
+    by_struct = df.with_columns(w=pl.struct("label", "src").drt.balance())
+    assert by_exprs["w"].to_list() == by_struct["w"].to_list()
+    # Four groups (a,1) (a,2) (b,1) (null,1): each totals 5/4.
+    assert _group_totals(by_exprs, ["label", "src"], "w") == pytest.approx([1.25] * 4)
+    nulls = df.with_columns(w=pl.col("label").drt.balance())
+    assert nulls["w"].to_list()[3:] == pytest.approx([5 / 6, 5 / 6])
+
+
+def test_balance_keeps_shares_of_existing_weights() -> None:
+    df = pl.DataFrame({"label": ["a", "a", "b"], "weight": [1.0, 3.0, 1.0]})
+    out = df.with_columns(w=pl.col("label").drt.balance(weight="weight"))["w"].to_list()
+    assert out[1] / out[0] == pytest.approx(3.0)
+    assert out[0] + out[1] == pytest.approx(out[2])
+    assert sum(out) == pytest.approx(5.0)
+
+
+def test_balance_in_lazy_streaming_over_and_agg() -> None:
+    df = pl.DataFrame({"label": [0, 0, 1, 1, 1, 2], "site": ["x", "y", "x", "x", "y", "y"]})
+    eager = df.with_columns(w=pl.col("label").drt.balance())
+    lazy = df.lazy().with_columns(w=pl.col("label").drt.balance()).collect(engine="streaming")
+    assert lazy["w"].to_list() == eager["w"].to_list()
+    # Within each site separately: labels balanced per site.
+    per_site = df.with_columns(w=pl.col("label").drt.balance().over("site"))
+    for site in ("x", "y"):
+        part = per_site.filter(pl.col("site") == site)
+        totals = _group_totals(part, ["label"], "w")
+        assert totals == pytest.approx([totals[0]] * len(totals))
+    agg = df.group_by("site", maintain_order=True).agg(pl.col("label").drt.balance())
+    assert [len(v) for v in agg["label"].to_list()] == [3, 3]
+    kept = df.filter(pl.col("label").drt.balance() > 1.0)
+    assert kept["label"].to_list() == [2]
+
+
+def test_balance_rejects_bad_arguments() -> None:
+    with pytest.raises(drt.errors.ArgumentError, match="power must be"):
+        pl.col("label").drt.balance(power=2.0)
+    with pytest.raises(drt.errors.ArgumentError, match="power must be"):
+        pl.col("label").drt.balance(power="1")  # type: ignore[arg-type]
+    df = pl.DataFrame({"label": [1, 2], "weight": [1.0, -1.0]})
+    with pytest.raises(ComputeError, match="holds -1 at row 1"):
+        df.select(pl.col("label").drt.balance(weight="weight"))
+
+
+# -- split ----------------------------------------------------------------------------------
+def _reference_split(ids: list[int], fractions: dict[str, float], seed: int) -> list[str]:
+    """The documented rule, computed with an independent xxh3 implementation."""
+    names, bounds, total = list(fractions), [], 0.0
+    for f in fractions.values():
+        total += f
+        bounds.append(total)
+    out = []
+    for i in ids:
+        h = xxhash.xxh3_64_intdigest(struct.pack("<q", i), seed=seed)
+        u = (h >> 11) * 2.0**-53
+        out.append(next((n for n, b in zip(names, bounds, strict=True) if u < b), names[-1]))
+    return out
+
+
+def test_split_follows_the_documented_hash_rule() -> None:
+    ids = [*range(-5, 2000), 2**62, -(2**63)]
+    fractions = {"train": 0.7, "val": 0.2, "test": 0.1}
+    for seed in (0, 7, 2**64 - 1):
+        got = pl.DataFrame({"sample_id": ids}).select(
+            pl.col("sample_id").drt.split(fractions, seed=seed)
+        )["sample_id"]
+        assert got.to_list() == _reference_split(ids, fractions, seed)
+    words = ["", "a", "patient-17", "ünïcode"]
+    got = pl.DataFrame({"w": words}).select(pl.col("w").drt.split({"x": 0.5, "y": 0.5}))["w"]
+    expected = [
+        "x" if (xxhash.xxh3_64_intdigest(w.encode(), seed=0) >> 11) * 2.0**-53 < 0.5 else "y"
+        for w in words
+    ]
+    assert got.to_list() == expected
+
+
+def test_split_fractions_within_sampling_error_on_a_million_ids() -> None:
+    n = 1_000_000
+    fractions = {"train": 0.8, "val": 0.15, "test": 0.05}
+    ids = pl.DataFrame({"sample_id": pl.int_range(n, eager=True)})
+    counts = dict(
+        ids.select(pl.col("sample_id").drt.split(fractions, seed=3))["sample_id"]
+        .value_counts()
+        .iter_rows()
+    )
+    for name, f in fractions.items():
+        sigma = (n * f * (1 - f)) ** 0.5
+        assert abs(counts[name] - n * f) < 5 * sigma, (name, counts)
+
+
+def test_split_of_an_id_ignores_the_other_rows_and_their_order() -> None:
+    full = pl.DataFrame({"sample_id": range(1000)}).with_columns(
+        part=pl.col("sample_id").drt.split({"a": 0.3, "b": 0.7})
+    )
+    subset = (
+        full.select("sample_id")
+        .sample(fraction=0.2, seed=1, shuffle=True)
+        .with_columns(part=pl.col("sample_id").drt.split({"a": 0.3, "b": 0.7}))
+    )
+    joined = subset.join(full, on="sample_id", suffix="_full")
+    assert joined["part"].to_list() == joined["part_full"].to_list()
+    streamed = (
+        full.lazy()
+        .select("sample_id", part=pl.col("sample_id").drt.split({"a": 0.3, "b": 0.7}))
+        .collect(engine="streaming")
+    )
+    assert streamed["part"].to_list() == full["part"].to_list()
+
+
+def test_split_by_string_group_and_integer_types() -> None:
+    df = pl.DataFrame({"patient": ["p1", "p1", "p2", "p3", "p2", None]})
+    parts = df.with_columns(part=pl.col("patient").drt.split({"train": 0.5, "val": 0.5}))
+    by_patient = parts.drop_nulls("patient").group_by("patient").agg(pl.col("part").n_unique())
+    assert by_patient["part"].to_list() == [1, 1, 1]
+    assert parts["part"][5] is None
+    ints = pl.DataFrame({"i": [1, 2, 3]})
+    a = ints.select(pl.col("i").drt.split({"x": 0.5, "y": 0.5}))["i"].to_list()
+    b = ints.select(pl.col("i").cast(pl.UInt16).drt.split({"x": 0.5, "y": 0.5}))["i"].to_list()
+    assert a == b
+    with pytest.raises(ComputeError, match="must be integers or strings"):
+        pl.DataFrame({"f": [1.5]}).select(pl.col("f").drt.split({"x": 1.0}))
+
+
+@pytest.mark.parametrize(
+    ("fractions", "seed", "message"),
+    [
+        ({"train": 0.9, "val": 0.2}, 0, "sum to 1"),
+        ({"train": 1.0, "val": 0.0}, 0, "must be positive"),
+        ({}, 0, "non-empty mapping"),
+        ({"": 1.0}, 0, "non-empty strings"),
+        ({"train": 1.0}, -1, "seed must be"),
+        ({"train": 1.0}, 2**64, "seed must be"),
+    ],
+)
+def test_split_validates_fractions_and_seed(
+    fractions: dict[str, float], seed: int, message: str
+) -> None:
+    with pytest.raises(drt.errors.ArgumentError, match=message):
+        pl.col("sample_id").drt.split(fractions, seed=seed)
+
+
+# -- effective_size -------------------------------------------------------------------------
+def test_effective_size_values_and_aggregation() -> None:
+    df = pl.DataFrame({"g": ["a", "a", "b", "b"], "w": [1.0, 1.0, 1.0, 0.0]})
+    assert df.select(pl.col("w").drt.effective_size()).item() == pytest.approx(3.0)
+    per = df.group_by("g", maintain_order=True).agg(ess=pl.col("w").drt.effective_size())
+    assert per["ess"].to_list() == pytest.approx([2.0, 1.0])
+    lazy = df.lazy().select(pl.col("w").drt.effective_size()).collect(engine="streaming")
+    assert lazy.item() == pytest.approx(3.0)
+    with pytest.raises(ComputeError, match="sums to zero"):
+        pl.DataFrame({"w": [0.0]}).select(pl.col("w").drt.effective_size())
+
+
+# -- properties -----------------------------------------------------------------------------
+@given(
+    labels=st.lists(st.one_of(st.none(), st.integers(0, 6)), min_size=1, max_size=300),
+    power=st.floats(0.0, 1.0),
+)
+@settings(max_examples=60, deadline=None)
+def test_property_balance(labels: list[int | None], power: float) -> None:
+    df = pl.DataFrame({"label": labels}, schema={"label": pl.Int64})
+    out = df.with_columns(w=pl.col("label").drt.balance(power=power))
+    assert out["w"].sum() == pytest.approx(len(labels))
+    counts = out.group_by("label").agg(n=pl.len(), total=pl.col("w").sum())
+    # Group totals are proportional to size^(1 - power).
+    ratio = counts["total"] / counts["n"].cast(pl.Float64) ** (1 - power)
+    assert ratio.max() == pytest.approx(ratio.min(), rel=1e-9)
+
+
+@given(ids=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=50, unique=True))
+@settings(max_examples=40, deadline=None)
+def test_property_split_is_per_id(ids: list[int]) -> None:
+    fractions = {"a": 0.25, "b": 0.75}
+    whole = pl.DataFrame({"id": ids}).select(pl.col("id").drt.split(fractions))["id"].to_list()
+    one_by_one = [
+        pl.DataFrame({"id": [i]}).select(pl.col("id").drt.split(fractions))["id"][0] for i in ids
+    ]
+    assert whole == one_by_one
+
+
+def test_installed_polars_is_a_supported_version() -> None:
+    from dataset_rt._version_check import SUPPORTED_POLARS, _version_tuple
+
+    low, high = SUPPORTED_POLARS
+    assert low <= _version_tuple(pl.__version__) < high, (
+        f"polars {pl.__version__} is outside the range the plugins are built for"
+    )

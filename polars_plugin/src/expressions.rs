@@ -1,8 +1,10 @@
-//! The `#[polars_expr]` wrappers and their output-type functions.
+//! The `#[polars_expr]` wrappers: each converts its columns, calls `drt-core`, converts back.
 
 use drt_core::error::quote;
+use drt_core::split::{hash_int, hash_str, Splitter};
 use polars::prelude::*;
 use pyo3_polars::derive::polars_expr;
+use serde::Deserialize;
 
 /// Turns an engine error into a Polars compute error carrying the same message.
 fn compute_err(err: drt_core::Error) -> PolarsError {
@@ -25,4 +27,111 @@ fn normalize(inputs: &[Series]) -> PolarsResult<Series> {
     let weights = weights_f64(s)?;
     let total = drt_core::weights::checked_total(weights.iter(), s.name()).map_err(compute_err)?;
     Ok(weights.apply_values(|w| w / total).into_series())
+}
+
+/// Kish's effective sample size of a weight column, as a one-row aggregation.
+#[polars_expr(output_type=Float64)]
+fn effective_size(inputs: &[Series]) -> PolarsResult<Series> {
+    let s = &inputs[0];
+    let weights = weights_f64(s)?;
+    let ess = drt_core::weights::effective_size(weights.iter(), s.name()).map_err(compute_err)?;
+    Ok(Series::new(s.name().clone(), [ess]))
+}
+
+/// The group of every row, numbered in order of first appearance; nulls form a group.
+fn group_ids(keys: &[Series]) -> PolarsResult<(Vec<u32>, usize)> {
+    let height = keys.first().map_or(0, |s| s.len());
+    let names: Vec<String> = (0..keys.len()).map(|i| format!("key{i}")).collect();
+    let columns = keys
+        .iter()
+        .zip(&names)
+        .map(|(s, name)| s.clone().with_name(name.as_str().into()).into_column())
+        .collect();
+    let frame = DataFrame::new(height, columns)?;
+    let grouped = frame.group_by_stable(&names)?;
+    let groups = grouped.get_groups();
+    let mut ids = vec![0u32; height];
+    for (g, indicator) in groups.iter().enumerate() {
+        let g = u32::try_from(g).map_err(|_| polars_err!(ComputeError: "more than 2^32 groups"))?;
+        match indicator {
+            GroupsIndicator::Idx((_, rows)) => rows.iter().for_each(|&r| ids[r as usize] = g),
+            GroupsIndicator::Slice([first, len]) => {
+                ids[first as usize..(first + len) as usize].fill(g)
+            }
+        }
+    }
+    Ok((ids, groups.len()))
+}
+
+#[derive(Deserialize)]
+struct BalanceKwargs {
+    power: f64,
+    /// Whether the last input is a base weight column rather than a group key.
+    weighted: bool,
+}
+
+/// Weights that equalise the groups formed by the key columns (`power = 1`), or temper
+/// them (`0 < power < 1`); see `drt_core::weights::balance`.
+#[polars_expr(output_type=Float64)]
+fn balance(inputs: &[Series], kwargs: BalanceKwargs) -> PolarsResult<Series> {
+    let (keys, base) = match (kwargs.weighted, inputs.split_last()) {
+        (true, Some((base, keys))) => (keys, Some(base)),
+        _ => (inputs, None),
+    };
+    polars_ensure!(!keys.is_empty(), ComputeError: "balance needs at least one group column");
+    let base = match base {
+        Some(s) => {
+            let ca = weights_f64(s)?;
+            drt_core::weights::checked_total(ca.iter(), s.name()).map_err(compute_err)?;
+            Some(ca.into_no_null_iter().collect::<Vec<f64>>())
+        }
+        None => None,
+    };
+    let (ids, num_groups) = group_ids(keys)?;
+    let weights = drt_core::weights::balance(&ids, num_groups, kwargs.power, base.as_deref())
+        .map_err(compute_err)?;
+    Ok(Float64Chunked::from_vec(keys[0].name().clone(), weights).into_series())
+}
+
+#[derive(Deserialize)]
+struct SplitKwargs {
+    names: Vec<String>,
+    fractions: Vec<f64>,
+    /// The u64 seed's bits as an i64: the kwargs decoder stops at `i64::MAX`.
+    seed_bits: i64,
+}
+
+/// The split every id falls into, by a stable hash of the id; see `drt_core::split`.
+#[polars_expr(output_type=String)]
+fn split(inputs: &[Series], kwargs: SplitKwargs) -> PolarsResult<Series> {
+    let s = &inputs[0];
+    polars_ensure!(
+        kwargs.names.len() == kwargs.fractions.len(),
+        ComputeError: "{} split names for {} fractions", kwargs.names.len(), kwargs.fractions.len()
+    );
+    let splitter = Splitter::new(&kwargs.fractions).map_err(compute_err)?;
+    let name_of = |hash: u64| kwargs.names[splitter.part(hash)].as_str();
+    let seed = kwargs.seed_bits as u64;
+    let out: StringChunked = match s.dtype() {
+        DataType::UInt64 => s
+            .u64()?
+            .iter()
+            .map(|v| v.map(|v| name_of(hash_int(v as i64, seed))))
+            .collect(),
+        dt if dt.is_integer() => s
+            .cast(&DataType::Int64)?
+            .i64()?
+            .iter()
+            .map(|v| v.map(|v| name_of(hash_int(v, seed))))
+            .collect(),
+        DataType::String => s
+            .str()?
+            .iter()
+            .map(|v| v.map(|v| name_of(hash_str(v, seed))))
+            .collect(),
+        dt => polars_bail!(
+            ComputeError: "split ids must be integers or strings; column {} is {}", quote(s.name()), dt
+        ),
+    };
+    Ok(out.with_name(s.name().clone()).into_series())
 }

@@ -68,6 +68,8 @@ pub struct Manifest {
     pub index: FileEntry,
     /// The live metadata version (`metadata/vNNNNN.parquet`).
     pub metadata_version: u32,
+    /// Every metadata version saved so far, oldest first; the live one among them.
+    pub metadata_versions: Vec<u32>,
 }
 
 impl Manifest {
@@ -133,6 +135,13 @@ impl Manifest {
             self.shards.len() <= u32::MAX as usize,
             path,
             "too many shards"
+        );
+        crate::ensure_intact!(
+            self.metadata_versions.contains(&self.metadata_version),
+            path,
+            "live metadata version {} is not among the saved versions {:?}",
+            self.metadata_version,
+            self.metadata_versions
         );
         Ok(())
     }

@@ -12,6 +12,7 @@ pub mod error;
 pub mod format;
 pub mod index;
 pub mod reader;
+pub mod split;
 pub mod store;
 pub mod weights;
 pub mod write_behind;

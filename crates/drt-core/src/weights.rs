@@ -2,39 +2,114 @@
 
 use crate::error::{quote, Error, Result};
 
+fn check_weight(row: usize, w: Option<f64>, column: &str) -> Result<f64> {
+    match w {
+        None => Err(Error::InvalidArgument(format!(
+            "weight column {} is null at row {row}",
+            quote(column)
+        ))),
+        Some(w) if !w.is_finite() || w < 0.0 => Err(Error::InvalidArgument(format!(
+            "weight column {} holds {w} at row {row}; weights must be finite and non-negative",
+            quote(column)
+        ))),
+        Some(w) => Ok(w),
+    }
+}
+
+fn zero_total(column: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "weight column {} sums to zero; at least one row needs a positive weight",
+        quote(column)
+    ))
+}
+
 /// Checks that every weight is finite and non-negative and that they do not sum to zero;
 /// returns the sum. `column` names the column in error messages.
 pub fn checked_total(weights: impl IntoIterator<Item = Option<f64>>, column: &str) -> Result<f64> {
     let mut total = 0.0;
     for (row, w) in weights.into_iter().enumerate() {
-        let Some(w) = w else {
-            return Err(Error::InvalidArgument(format!(
-                "weight column {} is null at row {row}",
-                quote(column)
-            )));
-        };
-        if !w.is_finite() || w < 0.0 {
-            return Err(Error::InvalidArgument(format!(
-                "weight column {} holds {w} at row {row}; weights must be finite and \
-                 non-negative",
-                quote(column)
-            )));
-        }
-        total += w;
+        total += check_weight(row, w, column)?;
     }
-    if total <= 0.0 {
-        return Err(Error::InvalidArgument(format!(
-            "weight column {} sums to zero; at least one row needs a positive weight",
-            quote(column)
-        )));
+    if total > 0.0 {
+        Ok(total)
+    } else {
+        Err(zero_total(column))
     }
-    Ok(total)
 }
 
 /// Scales weights into probabilities that sum to 1.
 pub fn normalize(weights: &[Option<f64>], column: &str) -> Result<Vec<f64>> {
     let total = checked_total(weights.iter().copied(), column)?;
     Ok(weights.iter().map(|w| w.unwrap_or(0.0) / total).collect())
+}
+
+/// Per-row weights that give every group the same total (`power = 1`), leave the natural
+/// distribution (`power = 0`), or anything in between (a temperature).
+///
+/// `group_of_row[i]` is row i's group, `0 <= g < num_groups`. With `base` weights, a group's
+/// size is the sum of its base weights and each row keeps its share within its group. Row i
+/// gets `base_i * total_g^(-power)`, scaled so that the weights sum to what the base weights
+/// (or the row count) summed to: balancing changes the shares, not the overall scale.
+pub fn balance(
+    group_of_row: &[u32],
+    num_groups: usize,
+    power: f64,
+    base: Option<&[f64]>,
+) -> Result<Vec<f64>> {
+    if !(0.0..=1.0).contains(&power) {
+        return Err(Error::InvalidArgument(format!(
+            "power must lie between 0 (natural distribution) and 1 (equal groups), got {power}"
+        )));
+    }
+    if let Some(base) = base {
+        if base.len() != group_of_row.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} base weights for {} rows",
+                base.len(),
+                group_of_row.len()
+            )));
+        }
+    }
+    let base_of = |i: usize| base.map_or(1.0, |b| b[i]);
+    let mut totals = vec![0.0f64; num_groups];
+    for (i, &g) in group_of_row.iter().enumerate() {
+        let slot = totals.get_mut(g as usize).ok_or_else(|| {
+            Error::InvalidArgument(format!("row {i} is in group {g} of {num_groups}"))
+        })?;
+        *slot += base_of(i);
+    }
+    let factors: Vec<f64> = totals
+        .iter()
+        .map(|&t| if t > 0.0 { t.powf(-power) } else { 0.0 })
+        .collect();
+    let mut weights: Vec<f64> = group_of_row
+        .iter()
+        .enumerate()
+        .map(|(i, &g)| base_of(i) * factors[g as usize])
+        .collect();
+    let wanted: f64 = totals.iter().sum();
+    let got: f64 = weights.iter().sum();
+    if got > 0.0 {
+        let scale = wanted / got;
+        weights.iter_mut().for_each(|w| *w *= scale);
+    }
+    Ok(weights)
+}
+
+/// Kish's effective sample size `(Σw)² / Σw²`: how many equally weighted samples carry as
+/// much information as these weighted ones.
+pub fn effective_size(weights: impl IntoIterator<Item = Option<f64>>, column: &str) -> Result<f64> {
+    let (mut total, mut squares) = (0.0, 0.0);
+    for (row, w) in weights.into_iter().enumerate() {
+        let w = check_weight(row, w, column)?;
+        total += w;
+        squares += w * w;
+    }
+    if total > 0.0 {
+        Ok(total * total / squares)
+    } else {
+        Err(zero_total(column))
+    }
 }
 
 #[cfg(test)]
@@ -45,6 +120,62 @@ mod tests {
     fn normalize_sums_to_one() {
         let p = normalize(&[Some(1.0), Some(3.0), Some(0.0)], "w").unwrap();
         assert_eq!(p, vec![0.25, 0.75, 0.0]);
+    }
+
+    fn group_totals(groups: &[u32], weights: &[f64], n: usize) -> Vec<f64> {
+        let mut totals = vec![0.0; n];
+        for (&g, &w) in groups.iter().zip(weights) {
+            totals[g as usize] += w;
+        }
+        totals
+    }
+
+    #[test]
+    fn balance_equalises_group_totals_and_keeps_the_scale() {
+        let groups = [0, 0, 0, 1, 2, 2];
+        let w = balance(&groups, 3, 1.0, None).unwrap();
+        let totals = group_totals(&groups, &w, 3);
+        for t in &totals {
+            assert!((t - 2.0).abs() < 1e-12, "{totals:?}");
+        }
+        assert!((w.iter().sum::<f64>() - 6.0).abs() < 1e-12);
+        assert_eq!(balance(&groups, 3, 0.0, None).unwrap(), vec![1.0; 6]);
+    }
+
+    #[test]
+    fn balance_temperature_lies_between() {
+        let groups = [0, 0, 0, 0, 1];
+        let w = balance(&groups, 2, 0.5, None).unwrap();
+        let totals = group_totals(&groups, &w, 2);
+        // Group totals proportional to sqrt(size): 2 : 1.
+        assert!((totals[0] / totals[1] - 2.0).abs() < 1e-12, "{totals:?}");
+    }
+
+    #[test]
+    fn balance_with_base_weights_keeps_shares_within_groups() {
+        let groups = [0, 0, 1];
+        let base = [1.0, 3.0, 2.0];
+        let w = balance(&groups, 2, 1.0, Some(&base)).unwrap();
+        assert!((w[1] / w[0] - 3.0).abs() < 1e-12);
+        let totals = group_totals(&groups, &w, 2);
+        assert!((totals[0] - totals[1]).abs() < 1e-12);
+        assert!((w.iter().sum::<f64>() - 6.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn balance_rejects_bad_power_and_groups() {
+        assert!(balance(&[0], 1, 1.5, None).is_err());
+        assert!(balance(&[0], 1, f64::NAN, None).is_err());
+        assert!(balance(&[3], 1, 1.0, None).is_err());
+    }
+
+    #[test]
+    fn effective_size_of_uniform_and_skewed_weights() {
+        let uniform = vec![Some(2.0); 10];
+        assert!((effective_size(uniform, "w").unwrap() - 10.0).abs() < 1e-12);
+        let skewed = vec![Some(1.0), Some(0.0), Some(0.0)];
+        assert!((effective_size(skewed, "w").unwrap() - 1.0).abs() < 1e-12);
+        assert!(effective_size(vec![Some(-1.0)], "w").is_err());
     }
 
     #[test]

@@ -259,6 +259,7 @@ impl CacheWriter {
                 checksum: checksum_hex(digest),
             },
             metadata_version: info.metadata_version,
+            metadata_versions: vec![info.metadata_version],
         };
         for sub in [SHARDS_DIR, METADATA_DIR] {
             crate::format::sync_dir(&self.dir.join(sub))?;

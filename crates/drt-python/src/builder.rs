@@ -108,13 +108,11 @@ impl PyCacheBuilder {
                 serializer,
                 metadata_version,
             };
-            let guard = lock.get().held()?;
-            let Some(held) = guard.as_ref() else {
-                unreachable!("held() checked the lock is present")
-            };
-            let published = writer
-                .finish(info)
-                .and_then(|_| self.store.publish(held, &self.dir));
+            let published = lock.get().with(|held| {
+                writer
+                    .finish(info)
+                    .and_then(|_| self.store.publish(held, &self.dir))
+            });
             if published.is_err() {
                 let _ = self.store.discard(&self.dir);
             }

@@ -67,6 +67,19 @@ impl PyStore {
         })
     }
 
+    fn commit_metadata(
+        &self,
+        py: Python<'_>,
+        lock: Py<PyBuildLock>,
+        cache_id: &str,
+        version: u32,
+    ) -> PyResult<()> {
+        run(py, || {
+            lock.get()
+                .with(|held| self.inner.commit_metadata(held, cache_id, version))
+        })
+    }
+
     fn begin_build(
         &self,
         py: Python<'_>,
@@ -79,18 +92,16 @@ impl PyStore {
             alignment,
         };
         let (dir, writer, name) = run(py, || {
-            let guard = lock.get().held()?;
-            let Some(held) = guard.as_ref() else {
-                unreachable!("held() checked the lock is present")
-            };
-            let dir = self.inner.begin_build(held)?;
-            match CacheWriter::create(&dir, opts).and_then(WriteBehind::spawn) {
-                Ok(writer) => Ok((dir, writer, held.name().to_string())),
-                Err(e) => {
-                    let _ = self.inner.discard(&dir);
-                    Err(e)
+            lock.get().with(|held| {
+                let dir = self.inner.begin_build(held)?;
+                match CacheWriter::create(&dir, opts).and_then(WriteBehind::spawn) {
+                    Ok(writer) => Ok((dir, writer, held.name().to_string())),
+                    Err(e) => {
+                        let _ = self.inner.discard(&dir);
+                        Err(e)
+                    }
                 }
-            }
+            })
         })?;
         PyCacheBuilder::new(self.inner.clone(), lock, name, dir, writer, py)
     }
@@ -103,18 +114,21 @@ pub struct PyBuildLock {
 }
 
 impl PyBuildLock {
-    /// The lock, or an error once it was released.
-    pub fn held(&self) -> drt_core::Result<std::sync::MutexGuard<'_, Option<BuildLock>>> {
+    /// Runs `f` with the lock, or fails once the lock was released.
+    pub fn with<T>(
+        &self,
+        f: impl FnOnce(&BuildLock) -> drt_core::Result<T>,
+    ) -> drt_core::Result<T> {
         let guard = self
             .inner
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if guard.is_none() {
-            return Err(drt_core::Error::InvalidArgument(
+        match guard.as_ref() {
+            Some(held) => f(held),
+            None => Err(drt_core::Error::InvalidArgument(
                 "the build lock was already released".into(),
-            ));
+            )),
         }
-        Ok(guard)
     }
 }
 

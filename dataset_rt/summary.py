@@ -1,0 +1,79 @@
+"""Looking at a metadata frame: per-group summary, a chart, and the records behind rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import polars as pl
+
+from dataset_rt import plugins, registry
+from dataset_rt.cache import PathLike
+from dataset_rt.errors import ArgumentError
+
+__all__ = ["plot", "records", "summary"]
+
+
+def _columns(by: str | Sequence[str]) -> list[str]:
+    columns = [by] if isinstance(by, str) else list(by)
+    if not columns or not all(isinstance(c, str) for c in columns):
+        raise ArgumentError(f"by must be a column name or a list of them, got {by!r}")
+    return columns
+
+
+def summary(
+    frame: pl.LazyFrame,
+    by: str | Sequence[str],
+    *,
+    weight: str = "weight",
+    num_samples: int | None = None,
+) -> pl.LazyFrame:
+    """Per-group counts, shares and expected draws per epoch; see ``df.drt.summary``."""
+    columns = _columns(by)
+    if num_samples is not None and (isinstance(num_samples, bool) or num_samples < 1):
+        raise ArgumentError(f"num_samples must be a positive integer, got {num_samples!r}")
+    draws = pl.lit(num_samples) if num_samples is not None else pl.col("samples").sum()
+    return (
+        frame.select(*columns, _p=plugins.normalize(weight))
+        .group_by(columns)
+        .agg(samples=pl.len(), weight_share=pl.col("_p").sum())
+        .with_columns(natural_share=pl.col("samples") / pl.col("samples").sum())
+        .with_columns(
+            expected_draws=pl.col("weight_share") * draws,
+            boost=pl.col("weight_share") / pl.col("natural_share"),
+        )
+        .select(*columns, "samples", "natural_share", "weight_share", "expected_draws", "boost")
+        .sort(columns, nulls_last=True)
+    )
+
+
+def plot(frame: pl.DataFrame, by: str, *, weight: str = "weight") -> Any:
+    """Bar chart of the natural vs. the weighted share of each group; returns the Axes."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(
+            "df.drt.plot draws with matplotlib: pip install matplotlib (or dataset-rt[plot])"
+        ) from exc
+    table = summary(frame.lazy(), by, weight=weight).collect()
+    labels = [str(v) for v in table[by].to_list()]
+    positions = range(len(labels))
+    width = 0.4
+    _, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(labels) + 2), 3.5))
+    ax.bar([p - width / 2 for p in positions], table["natural_share"], width, label="natural")
+    ax.bar([p + width / 2 for p in positions], table["weight_share"], width, label="weighted")
+    ax.set_xticks(list(positions), labels)
+    ax.set_xlabel(by)
+    ax.set_ylabel("share of draws")
+    ax.set_title(f"{by}: natural vs. weighted sampling")
+    ax.legend()
+    return ax
+
+
+def records(frame: pl.LazyFrame, n: int = 5, *, root: PathLike | None = None) -> list[Any]:
+    """The decoded records behind the first ``n`` rows, in row order."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ArgumentError(f"n must be a non-negative integer, got {n!r}")
+    rows = frame.select("cache_id", "sample_id").head(n).collect()
+    caches = {cid: registry.find(cid, root) for cid in rows["cache_id"].unique().to_list()}
+    return [caches[cid].get(sid) for cid, sid in rows.iter_rows()]
