@@ -17,9 +17,11 @@ from dataset_rt._native import __version__
 from dataset_rt._version_check import check_polars_version
 from dataset_rt.build import cache
 from dataset_rt.cache import Cache, default_root, list_caches, open
+from dataset_rt.loader import Loader
 
 __all__ = [
     "Cache",
+    "Loader",
     "__version__",
     "cache",
     "default_root",

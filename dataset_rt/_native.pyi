@@ -6,18 +6,25 @@ from typing import final
 
 __all__ = [
     "FORMAT_VERSION",
+    "Batch",
+    "BatchStream",
     "BuildLock",
     "CacheBuilder",
     "CacheReader",
+    "Schedule",
     "Store",
     "__version__",
     "validate_name",
+    "write_plan",
 ]
 
 __version__: str
 FORMAT_VERSION: int
 
 def validate_name(name: str) -> None: ...
+def write_plan(
+    path: str | PathLike[str], frame: object, num_caches: int, weighted: bool
+) -> str: ...
 
 @final
 class Store:
@@ -68,3 +75,59 @@ class CacheReader:
     def manifest_json(self) -> str: ...
     def __len__(self) -> int: ...
     def get_bytes(self, sample_id: int, verify: bool = False) -> bytes: ...
+
+@final
+class Schedule:
+    def __new__(
+        cls,
+        total: int,
+        cursor: int,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        drop_last: bool,
+    ) -> Schedule: ...
+    def __getnewargs__(self) -> tuple[int, int, int, int, int, bool]: ...
+    @property
+    def total(self) -> int: ...
+    @property
+    def cursor(self) -> int: ...
+    @property
+    def num_batches(self) -> int: ...
+    @property
+    def per_rank(self) -> int: ...
+    def cursor_after(self, batches: int) -> int: ...
+
+@final
+class Batch:
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+    def __len__(self) -> int: ...
+    @property
+    def number(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def offsets(self) -> list[int]: ...
+    @property
+    def sample_ids(self) -> list[int]: ...
+    @property
+    def caches(self) -> list[int]: ...
+
+@final
+class BatchStream:
+    def __new__(
+        cls,
+        plan_path: str | PathLike[str],
+        cache_dirs: list[str],
+        cache_ids: list[str],
+        schedule: Schedule,
+        seed: int,
+        epoch: int,
+        first: int,
+        step: int,
+        depth: int,
+        verify: bool,
+    ) -> BatchStream: ...
+    def __iter__(self) -> BatchStream: ...
+    def __next__(self) -> Batch: ...

@@ -6,7 +6,6 @@ import html
 import json
 import operator
 import os
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -96,6 +95,11 @@ class Cache:
         return str(self._manifest["serializer"])
 
     @property
+    def decoder(self) -> Decoder | None:
+        """The decoder of :meth:`get` and of loaders; None for a custom serializer."""
+        return self._decode
+
+    @property
     def created_at(self) -> datetime:
         """When the cache was built (UTC)."""
         return datetime.fromisoformat(self._manifest["created_at"])
@@ -148,7 +152,7 @@ class Cache:
             )
         data = self.get_bytes(sample_id, verify=verify)
         try:
-            return decoder(data)
+            return decoder(memoryview(data))
         except Exception as exc:
             raise SerializationError(
                 f"decoding sample_id {sample_id} of cache {self.name!r} failed: {exc!r}"
@@ -345,7 +349,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: drt.open(name)
     name: str,
     *,
     root: PathLike | None = None,
-    decode: Callable[[bytes], Any] | None = None,
+    decode: Decoder | None = None,
 ) -> Cache:
     """Opens an existing cache by name.
 

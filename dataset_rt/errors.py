@@ -15,10 +15,12 @@ __all__ = [
     "CacheNotFoundError",
     "CacheVersionError",
     "DatasetRTError",
+    "LoaderStateError",
     "MetadataError",
     "SampleIndexError",
     "SerializationError",
     "StaleCacheError",
+    "TransformError",
     "WeightError",
 ]
 
@@ -72,3 +74,11 @@ class SampleIndexError(DatasetRTError, IndexError):
 
 class ArgumentError(DatasetRTError, ValueError):
     """An argument outside its allowed values."""
+
+
+class TransformError(DatasetRTError, RuntimeError):
+    """A loader's ``transform`` raised on a sample; the message names the sample."""
+
+
+class LoaderStateError(DatasetRTError, ValueError):
+    """A loader state that does not belong to this loader (other rows, weights or seed)."""

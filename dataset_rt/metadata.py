@@ -211,8 +211,6 @@ def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str
         raise MetadataError(f"column 'cache_id' must hold strings, not {schema['cache_id']}")
     if not schema["sample_id"].is_integer():
         raise MetadataError(f"column 'sample_id' must hold integers, not {schema['sample_id']}")
-    if not schema["weight"].is_numeric():
-        raise MetadataError(f"column 'weight' must be numeric, not {schema['weight']}")
 
     cache_ids = frame["cache_id"].cast(pl.String)
     foreign = cache_ids.ne_missing(cache_id)
@@ -235,7 +233,21 @@ def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str
             f"sample_id {_first(duplicated, ids)} appears more than once; each sample has one "
             "row (use the weight to sample it more often)"
         )
-    weight = frame["weight"].cast(pl.Float64)
+    weight = check_weights(frame["weight"], ids)
+    return frame.with_columns(ids.cast(pl.Int64), weight)
+
+
+def check_weights(weight: pl.Series, ids: pl.Series) -> pl.Series:
+    """Checks sampling weights; returns them as Float64. Errors name the sample_id.
+
+    Raises
+    ------
+    WeightError
+        A weight is null, negative, NaN or infinite, or all weights are zero.
+    """
+    if not weight.dtype.is_numeric():
+        raise MetadataError(f"column 'weight' must be numeric, not {weight.dtype}")
+    weight = weight.cast(pl.Float64)
     bad = weight.is_null() | ~weight.is_finite() | (weight < 0)
     if bad.any():
         raise WeightError(
@@ -246,4 +258,4 @@ def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str
         raise WeightError(
             "all weights are zero (or the table is empty): nothing could ever be drawn"
         )
-    return frame.with_columns(ids.cast(pl.Int64), weight)
+    return weight

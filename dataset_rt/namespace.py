@@ -6,13 +6,15 @@ Type checkers do not see namespaces registered at runtime; the functions in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import polars as pl
 
 from dataset_rt import plugins, summary
 from dataset_rt.cache import PathLike
+from dataset_rt.loader import Loader, epoch_frame
+from dataset_rt.serialize import Decoder
 
 __all__ = ["DrtExprNamespace", "DrtFrameNamespace", "DrtLazyFrameNamespace"]
 
@@ -73,6 +75,21 @@ class DrtExprNamespace:
         """
         return plugins.split(self._expr, fractions, seed=seed)
 
+    def draws(self, n: int | None = None, *, seed: int = 0, epoch: int = 0) -> pl.Expr:
+        """How many times a shuffling loader draws each row in an epoch of ``n`` draws.
+
+        Computed by the same code as the loader, so it always matches what training sees;
+        see :func:`dataset_rt.plugins.draws`.
+
+        Examples
+        --------
+        >>> import polars as pl, dataset_rt
+        >>> df = pl.DataFrame({"weight": [1.0, 0.0, 3.0]})
+        >>> df.select(pl.col("weight").drt.draws(1000, seed=0)).sum().item()
+        1000
+        """
+        return plugins.draws(self._expr, n, seed=seed, epoch=epoch)
+
     def effective_size(self) -> pl.Expr:
         """Kish's effective sample size of this weight column (an aggregation).
 
@@ -89,6 +106,95 @@ class _FrameMethods:
     """What the DataFrame and LazyFrame namespaces share."""
 
     _lazy: pl.LazyFrame
+    _frame: pl.DataFrame | pl.LazyFrame
+
+    def loader(
+        self,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_samples: int | None = None,
+        decode: Decoder | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        prefetch: int = 4,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        root: PathLike | None = None,
+        verify: bool = False,
+    ) -> Loader:
+        """A training loader over this frame's rows.
+
+        Parameters
+        ----------
+        batch_size
+            Samples per batch on each rank.
+        shuffle
+            ``True``: each epoch is ``num_samples`` weighted draws with replacement
+            (P(row) ∝ ``weight``). ``False``: every row once, in frame order.
+        seed
+            With the epoch, fixes the draws: the same ``(seed, epoch)`` gives the same
+            samples for any ``num_workers`` and ``prefetch``, with or without PyTorch.
+        num_samples
+            Draws per epoch across all ranks; default the number of rows.
+        decode
+            Bytes → record; default the decoder matching how each cache was written.
+        transform
+            Applied to every decoded record.
+        collate
+            List of records → batch; default PyTorch's ``default_collate`` when PyTorch is
+            installed, else the list itself.
+        num_workers
+            PyTorch DataLoader worker processes decoding in parallel (needs PyTorch).
+        prefetch
+            Batches read ahead by the native reader thread.
+        drop_last
+            Drop the positions that do not fill a whole batch on every rank.
+        rank, world_size
+            This process's share of the global stream; default from
+            ``torch.distributed`` when it is initialised, else a single process.
+        root
+            Where to look for caches this process has not opened yet.
+        verify
+            Check every record against its stored checksum.
+        """
+        return Loader(
+            self._frame,
+            batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            num_samples=num_samples,
+            decode=decode,
+            transform=transform,
+            collate=collate,
+            num_workers=num_workers,
+            prefetch=prefetch,
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+            root=root,
+            verify=verify,
+        )
+
+    def epoch(
+        self,
+        *,
+        seed: int = 0,
+        epoch: int = 0,
+        num_samples: int | None = None,
+        shuffle: bool = True,
+    ) -> pl.DataFrame:
+        """The rows one epoch draws, in draw order, with a ``draw`` position column.
+
+        This is the global stream a loader with the same ``seed`` reads in that epoch
+        (ranks read it strided: rank ``r`` of ``w`` gets draws ``r, r + w, ...``).
+        """
+        return epoch_frame(
+            self._lazy, seed=seed, epoch=epoch, num_samples=num_samples, shuffle=shuffle
+        )
 
     def records(self, n: int = 5, *, root: PathLike | None = None) -> list[Any]:
         """Decodes the payloads behind the first ``n`` rows, to look at the samples of a query.
@@ -104,6 +210,7 @@ class DrtFrameNamespace(_FrameMethods):
     """dataset_rt's methods on a metadata DataFrame: ``df.drt.summary(by="label")``."""
 
     def __init__(self, frame: pl.DataFrame) -> None:
+        self._df = frame
         self._frame = frame
         self._lazy = frame.lazy()
 
@@ -121,7 +228,7 @@ class DrtFrameNamespace(_FrameMethods):
 
     def plot(self, by: str, *, weight: str = "weight") -> Any:
         """Draws the natural vs. weighted distribution of ``by`` (matplotlib); returns the Axes."""
-        return summary.plot(self._frame, by, weight=weight)
+        return summary.plot(self._df, by, weight=weight)
 
 
 @pl.api.register_lazyframe_namespace("drt")
@@ -129,6 +236,7 @@ class DrtLazyFrameNamespace(_FrameMethods):
     """dataset_rt's methods on a metadata LazyFrame."""
 
     def __init__(self, frame: pl.LazyFrame) -> None:
+        self._frame = frame
         self._lazy = frame
 
     def summary(

@@ -19,7 +19,15 @@ from polars.plugins import register_plugin_function
 from dataset_rt import _native
 from dataset_rt.errors import ArgumentError
 
-__all__ = ["PLUGIN_PATH", "balance", "effective_size", "normalize", "split"]
+__all__ = [
+    "PLUGIN_PATH",
+    "balance",
+    "draw_rows",
+    "draws",
+    "effective_size",
+    "normalize",
+    "split",
+]
 
 PLUGIN_PATH = Path(_native.__file__)
 """The native module's file, which also exports the plugin functions."""
@@ -141,4 +149,51 @@ def split(ids: IntoExpr, fractions: Mapping[str, float], *, seed: int = 0) -> pl
             "seed_bits": seed - 2**64 if seed >= 2**63 else seed,
         },
         is_elementwise=True,
+    )
+
+
+def _draw_kwargs(n: int | None, seed: int, epoch: int) -> dict[str, int | None]:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ArgumentError(f"n must be a non-negative integer or None, got {n!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ArgumentError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 2**63:
+        raise ArgumentError(f"epoch must be a non-negative integer, got {epoch!r}")
+    # Plugin kwargs decode integers up to 2**63 - 1; the seed's bits travel as an i64.
+    return {"n": n, "seed_bits": seed - 2**64 if seed >= 2**63 else seed, "epoch": epoch}
+
+
+def draws(weight: IntoExpr, n: int | None = None, *, seed: int = 0, epoch: int = 0) -> pl.Expr:
+    """How many times each row is drawn in an epoch of ``n`` weighted draws.
+
+    These are exactly the draws a shuffling loader over the same rows makes for ``seed``
+    and ``epoch`` (summed over all ranks and workers): the same core code computes both.
+
+    Parameters
+    ----------
+    weight
+        The sampling weights.
+    n
+        Draws in the epoch; by default one per row (the loader's default ``num_samples``).
+    seed, epoch
+        The loader's ``seed`` and epoch.
+    """
+    return register_plugin_function(
+        plugin_path=PLUGIN_PATH,
+        function_name="draws",
+        args=[_expr(weight)],
+        kwargs=_draw_kwargs(n, seed, epoch),
+        is_elementwise=False,
+    )
+
+
+def draw_rows(weight: IntoExpr, n: int | None = None, *, seed: int = 0, epoch: int = 0) -> pl.Expr:
+    """The row number drawn at each position of an epoch, in draw order (``n`` rows out)."""
+    return register_plugin_function(
+        plugin_path=PLUGIN_PATH,
+        function_name="draw_rows",
+        args=[_expr(weight)],
+        kwargs=_draw_kwargs(n, seed, epoch),
+        is_elementwise=False,
+        changes_length=True,
     )

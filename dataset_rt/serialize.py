@@ -15,8 +15,13 @@ __all__ = ["Decoder", "Serializer", "SerializerSpec", "decoder_for", "resolve_se
 Serializer = Callable[[Any], bytes | bytearray | memoryview]
 """A function turning one record into its bytes."""
 
-Decoder = Callable[[bytes], Any]
-"""A function turning a record's bytes back into the record."""
+Decoder = Callable[[memoryview], Any]
+"""A function turning a record's bytes back into the record.
+
+It receives a read-only ``memoryview`` of the bytes (which ``pickle.loads``,
+``numpy.frombuffer`` and ``torch.frombuffer`` take as they are); call ``bytes(view)`` where
+a ``bytes`` object is needed. The view is only valid during the call.
+"""
 
 SerializerSpec = Literal["pickle", "dill"] | Serializer
 """``"pickle"``, ``"dill"``, or a function returning bytes."""

@@ -15,7 +15,7 @@ from polars.exceptions import ComputeError
 import dataset_rt as drt
 from dataset_rt import plugins
 
-PLUGIN_FUNCTIONS = ["balance", "effective_size", "normalize", "split"]
+PLUGIN_FUNCTIONS = ["balance", "draw_rows", "draws", "effective_size", "normalize", "split"]
 
 
 def test_every_plugin_function_is_exported_from_the_native_module() -> None:

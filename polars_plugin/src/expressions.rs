@@ -135,3 +135,51 @@ fn split(inputs: &[Series], kwargs: SplitKwargs) -> PolarsResult<Series> {
     };
     Ok(out.with_name(s.name().clone()).into_series())
 }
+
+#[derive(Deserialize)]
+struct DrawKwargs {
+    /// Number of draws; the column's length when absent.
+    n: Option<u64>,
+    /// The u64 seed's bits as an i64 (the kwargs decoder stops at `i64::MAX`).
+    seed_bits: i64,
+    epoch: u64,
+}
+
+/// The alias table of a weight column and the epoch's stream, as the loader builds them.
+fn table_and_stream(
+    s: &Series,
+    kwargs: &DrawKwargs,
+) -> PolarsResult<(
+    drt_core::sampler::AliasTable,
+    drt_core::sampler::Stream,
+    u64,
+)> {
+    let weights = weights_f64(s)?;
+    // Checked here first so that a null is reported as a null, not as the NaN below.
+    drt_core::weights::checked_total(weights.iter(), s.name()).map_err(compute_err)?;
+    let values: Vec<f64> = weights.iter().map(|w| w.unwrap_or(f64::NAN)).collect();
+    let table = drt_core::sampler::AliasTable::new(&values, s.name()).map_err(compute_err)?;
+    let stream = drt_core::sampler::Stream::new(kwargs.seed_bits as u64, kwargs.epoch);
+    let n = kwargs.n.unwrap_or(s.len() as u64);
+    Ok((table, stream, n))
+}
+
+/// How many times each row is drawn in an epoch of `n` weighted draws with replacement:
+/// exactly the draws a loader with the same seed and epoch makes.
+#[polars_expr(output_type=Int64)]
+fn draws(inputs: &[Series], kwargs: DrawKwargs) -> PolarsResult<Series> {
+    let s = &inputs[0];
+    let (table, stream, n) = table_and_stream(s, &kwargs)?;
+    let counts = drt_core::sampler::draw_counts(&table, stream, n);
+    let counts: Vec<i64> = counts.into_iter().map(|c| c as i64).collect();
+    Ok(Int64Chunked::from_vec(s.name().clone(), counts).into_series())
+}
+
+/// The row drawn at every position of an epoch of `n` draws, in draw order.
+#[polars_expr(output_type=Int64)]
+fn draw_rows(inputs: &[Series], kwargs: DrawKwargs) -> PolarsResult<Series> {
+    let s = &inputs[0];
+    let (table, stream, n) = table_and_stream(s, &kwargs)?;
+    let rows: Vec<i64> = (0..n).map(|k| table.draw(stream.bits(k)) as i64).collect();
+    Ok(Int64Chunked::from_vec(s.name().clone(), rows).into_series())
+}

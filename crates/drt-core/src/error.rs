@@ -25,6 +25,20 @@ pub enum Error {
         /// The root directory that was searched.
         root: PathBuf,
     },
+    /// The cache under a name is another build than the one a frame or loader refers to.
+    #[error(
+        "cache {} was rebuilt (cache_id {expected} is now {found}); the frame refers to a \
+         build that no longer exists",
+        quote(name)
+    )]
+    Rebuilt {
+        /// The cache's name.
+        name: String,
+        /// The cache_id the caller expected.
+        expected: String,
+        /// The cache_id found on disk.
+        found: String,
+    },
     /// A file of a cache does not hold what the manifest or the format promise.
     #[error("{}: {msg}", path.display())]
     Corrupt {

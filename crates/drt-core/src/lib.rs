@@ -11,7 +11,11 @@
 pub mod error;
 pub mod format;
 pub mod index;
+pub mod plan;
+pub mod prefetch;
 pub mod reader;
+pub mod sampler;
+pub mod schedule;
 pub mod split;
 pub mod store;
 pub mod weights;

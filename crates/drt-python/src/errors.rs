@@ -10,6 +10,7 @@ pub fn to_py(py: Python<'_>, err: Error) -> PyErr {
     let class = match &err {
         Error::Io { .. } => "CacheIOError",
         Error::CacheNotFound { .. } => "CacheNotFoundError",
+        Error::Rebuilt { .. } => "StaleCacheError",
         Error::Corrupt { .. } => "CacheCorruptError",
         Error::UnsupportedVersion { .. } => "CacheVersionError",
         Error::InvalidName { .. } => "CacheNameError",

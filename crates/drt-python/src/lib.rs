@@ -5,8 +5,10 @@
 //! are linked into this same library, so one file serves both `import` and
 //! `register_plugin_function`.
 
+mod arrow;
 mod builder;
 mod errors;
+mod loader;
 mod reader;
 mod store;
 
@@ -23,6 +25,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyBuildLock>()?;
     m.add_class::<builder::PyCacheBuilder>()?;
     m.add_class::<reader::PyCacheReader>()?;
+    m.add_class::<loader::PySchedule>()?;
+    m.add_class::<loader::PyBatch>()?;
+    m.add_class::<loader::PyBatchStream>()?;
     m.add_function(wrap_pyfunction!(store::validate_name, m)?)?;
+    m.add_function(wrap_pyfunction!(loader::write_plan, m)?)?;
     Ok(())
 }

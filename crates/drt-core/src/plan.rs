@@ -1,0 +1,247 @@
+//! A loader's snapshot of its metadata frame: which sample of which cache each row is, and
+//! the alias table of its weights.
+//!
+//! The plan is written once to a file and memory-mapped by every process that reads for
+//! the loader, so worker processes share its pages instead of each holding a copy.
+//!
+//! ```text
+//! header (64 bytes): PLAN_MAGIC, rows u64, caches u32, flags u32
+//! sample_id u64[rows] | cache u32[rows] (if several caches) | threshold u32[rows] and
+//! alias u32[rows] (if weighted)
+//! ```
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::error::{Error, IoContext, Result};
+use crate::index::HashingWriter;
+use crate::sampler::{pick, AliasTable, Stream, MAX_ROWS};
+
+const PLAN_MAGIC: &[u8; 8] = b"DRTPLAN1";
+const HEADER_LEN: usize = 64;
+const HAS_CACHES: u32 = 1;
+const WEIGHTED: u32 = 2;
+
+/// The rows of a loader: their samples and, when shuffling, the alias table of their weights.
+pub struct Plan {
+    path: PathBuf,
+    map: Mmap,
+    rows: u64,
+    caches: u32,
+    cache_at: Option<usize>,
+    table_at: Option<usize>,
+}
+
+impl std::fmt::Debug for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plan")
+            .field("path", &self.path)
+            .field("rows", &self.rows)
+            .field("caches", &self.caches)
+            .finish()
+    }
+}
+
+fn write_u32s(out: &mut impl Write, values: &[u32], path: &Path) -> Result<()> {
+    for chunk in values.chunks(1 << 16) {
+        let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
+        out.write_all(&bytes).at(path)?;
+    }
+    Ok(())
+}
+
+impl Plan {
+    /// Writes the plan of rows `sample_ids[i]` of cache `caches[i]` (one cache when
+    /// `caches` is `None`), weighted by `weights` when the loader shuffles. Returns the
+    /// xxh3-64 of the file: two plans with the same digest draw the same streams.
+    pub fn write(
+        path: &Path,
+        sample_ids: &[u64],
+        caches: Option<(&[u32], u32)>,
+        weights: Option<&[f64]>,
+    ) -> Result<u64> {
+        let rows = sample_ids.len();
+        if rows as u64 > MAX_ROWS {
+            crate::bail_arg!("{rows} rows exceed the loader's limit of {MAX_ROWS}");
+        }
+        if caches.is_some_and(|(c, _)| c.len() != rows) || weights.is_some_and(|w| w.len() != rows)
+        {
+            crate::bail_arg!("plan columns differ in length");
+        }
+        if let Some((codes, n)) = caches {
+            if let Some(bad) = codes.iter().find(|&&c| c >= n) {
+                crate::bail_arg!("cache code {bad} out of range for {n} caches");
+            }
+        }
+        let table = weights.map(|w| AliasTable::new(w, "weight")).transpose()?;
+        let file = std::fs::File::create(path).at(path)?;
+        let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(1 << 20, file));
+        let mut header = [0u8; HEADER_LEN];
+        header[..8].copy_from_slice(PLAN_MAGIC);
+        header[8..16].copy_from_slice(&(rows as u64).to_le_bytes());
+        header[16..20].copy_from_slice(&caches.map_or(1, |(_, n)| n).to_le_bytes());
+        let flags = if caches.is_some() { HAS_CACHES } else { 0 }
+            | if table.is_some() { WEIGHTED } else { 0 };
+        header[20..24].copy_from_slice(&flags.to_le_bytes());
+        out.write_all(&header).at(path)?;
+        for chunk in sample_ids.chunks(1 << 16) {
+            let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
+            out.write_all(&bytes).at(path)?;
+        }
+        if let Some((codes, _)) = caches {
+            write_u32s(&mut out, codes, path)?;
+        }
+        if let Some(table) = &table {
+            write_u32s(&mut out, &table.threshold, path)?;
+            write_u32s(&mut out, &table.alias, path)?;
+        }
+        let (_, digest, inner) = out.finish();
+        inner.into_inner().map_err(|e| e.into_error()).at(path)?;
+        Ok(digest)
+    }
+
+    /// Maps a plan file written by [`Plan::write`].
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).at(path)?;
+        // SAFETY: plan files are written completely before any reader opens them and are
+        // never modified afterwards; sizes are checked against the header below.
+        let map = unsafe { Mmap::map(&file) }.at(path)?;
+        crate::ensure_intact!(
+            map.len() >= HEADER_LEN && &map[..8] == PLAN_MAGIC,
+            path,
+            "not a dataset_rt loader plan"
+        );
+        let u64_at = |o: usize| u64::from_le_bytes(map[o..o + 8].try_into().unwrap_or([0; 8]));
+        let u32_at = |o: usize| u32::from_le_bytes(map[o..o + 4].try_into().unwrap_or([0; 4]));
+        let rows = u64_at(8);
+        let caches = u32_at(16);
+        let flags = u32_at(20);
+        let n = usize::try_from(rows).map_err(|_| Error::corrupt(path, "row count"))?;
+        let mut at = HEADER_LEN + 8 * n;
+        let cache_at = (flags & HAS_CACHES != 0).then(|| {
+            let a = at;
+            at += 4 * n;
+            a
+        });
+        let table_at = (flags & WEIGHTED != 0).then(|| {
+            let a = at;
+            at += 8 * n;
+            a
+        });
+        crate::ensure_intact!(map.len() == at, path, "plan file has the wrong size");
+        Ok(Self {
+            path: path.to_path_buf(),
+            map,
+            rows,
+            caches,
+            cache_at,
+            table_at,
+        })
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    /// Number of caches the rows come from.
+    pub fn caches(&self) -> u32 {
+        self.caches
+    }
+
+    /// Whether the plan holds an alias table (the loader shuffles).
+    pub fn weighted(&self) -> bool {
+        self.table_at.is_some()
+    }
+
+    #[inline]
+    fn u32_at(&self, base: usize, i: u64) -> u32 {
+        let o = base + 4 * i as usize;
+        u32::from_le_bytes([
+            self.map[o],
+            self.map[o + 1],
+            self.map[o + 2],
+            self.map[o + 3],
+        ])
+    }
+
+    /// The row at `position` of the epoch stream `stream` (rows in order, wrapping, when the
+    /// plan is not weighted).
+    #[inline]
+    pub fn row_at(&self, stream: Stream, position: u64) -> u64 {
+        match self.table_at {
+            Some(t) => {
+                let n = self.rows;
+                pick(
+                    stream.bits(position),
+                    n,
+                    |c| self.u32_at(t, c),
+                    |c| self.u32_at(t + 4 * n as usize, c),
+                )
+            }
+            None => position % self.rows.max(1),
+        }
+    }
+
+    /// The cache code and sample id of `row`.
+    #[inline]
+    pub fn sample(&self, row: u64) -> (u32, u64) {
+        let o = HEADER_LEN + 8 * row as usize;
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&self.map[o..o + 8]);
+        let cache = self.cache_at.map_or(0, |c| self.u32_at(c, row));
+        (cache, u64::from_le_bytes(id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_round_trip_matches_the_in_memory_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan");
+        let ids: Vec<u64> = (0..1000).map(|i| i * 3).collect();
+        let codes: Vec<u32> = (0..1000).map(|i| (i % 3) as u32).collect();
+        let weights: Vec<f64> = (0..1000).map(|i| (i % 7) as f64).collect();
+        Plan::write(&path, &ids, Some((&codes, 3)), Some(&weights)).unwrap();
+        let plan = Plan::open(&path).unwrap();
+        assert_eq!(plan.rows(), 1000);
+        assert_eq!(plan.caches(), 3);
+        assert_eq!(plan.sample(10), (1, 30));
+        let table = AliasTable::new(&weights, "w").unwrap();
+        let stream = Stream::new(3, 1);
+        for k in 0..5000 {
+            assert_eq!(plan.row_at(stream, k), table.draw(stream.bits(k)));
+        }
+    }
+
+    #[test]
+    fn unweighted_plans_read_rows_in_order_and_wrap() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan");
+        Plan::write(&path, &[5, 6, 7], None, None).unwrap();
+        let plan = Plan::open(&path).unwrap();
+        let s = Stream::new(0, 0);
+        assert_eq!(
+            (0..5).map(|p| plan.row_at(s, p)).collect::<Vec<_>>(),
+            vec![0, 1, 2, 0, 1]
+        );
+        assert_eq!(plan.sample(2), (0, 7));
+        assert!(!plan.weighted());
+    }
+
+    #[test]
+    fn damaged_plans_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan");
+        Plan::write(&path, &[1, 2, 3], None, Some(&[1.0, 1.0, 1.0])).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
+        assert!(Plan::open(&path).is_err());
+        assert!(Plan::write(&path, &[1], Some((&[4], 2)), None).is_err());
+    }
+}

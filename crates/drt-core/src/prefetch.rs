@@ -1,0 +1,257 @@
+//! Reading batches ahead of the consumer on a native thread.
+//!
+//! A [`Prefetcher`] owns one thread that reads the batches assigned to it, in order, into
+//! a bounded queue of `depth` ready batches. A batch is one contiguous buffer holding its
+//! records back to back plus their offsets, so it crosses into Python as a single object.
+//! The consumer blocks only when the queue is empty; the thread blocks when it is full.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crate::error::{Error, Result};
+use crate::plan::Plan;
+use crate::reader::CacheReader;
+use crate::sampler::Stream;
+use crate::schedule::Schedule;
+
+/// The records of one batch, back to back.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// The batch's number among this rank's batches (counted from the schedule's cursor).
+    pub number: u64,
+    /// The records' bytes.
+    pub data: Vec<u8>,
+    /// Record `i` is `data[offsets[i]..offsets[i + 1]]`.
+    pub offsets: Vec<u64>,
+    /// Each record's cache (an index into the loader's list of caches).
+    pub caches: Vec<u32>,
+    /// Each record's sample id within its cache.
+    pub sample_ids: Vec<u64>,
+}
+
+impl Batch {
+    /// Number of records.
+    pub fn len(&self) -> usize {
+        self.sample_ids.len()
+    }
+
+    /// Whether the batch has no records.
+    pub fn is_empty(&self) -> bool {
+        self.sample_ids.is_empty()
+    }
+}
+
+/// Everything a reading thread needs: the plan, the caches, and which stream to read.
+#[derive(Clone)]
+pub struct Source {
+    /// The loader's rows.
+    pub plan: Arc<Plan>,
+    /// The caches, indexed by the plan's cache codes.
+    pub caches: Arc<Vec<CacheReader>>,
+    /// The epoch's random stream.
+    pub stream: Stream,
+    /// This rank's part of the epoch.
+    pub schedule: Schedule,
+    /// Check every record against its checksum.
+    pub verify: bool,
+}
+
+impl Source {
+    /// Reads batch `number` of the schedule.
+    pub fn read(&self, number: u64) -> Result<Batch> {
+        let mut batch = Batch {
+            number,
+            ..Batch::default()
+        };
+        for position in self.schedule.batch_positions(number) {
+            let (cache, sample_id) = self.plan.sample(self.plan.row_at(self.stream, position));
+            batch.caches.push(cache);
+            batch.sample_ids.push(sample_id);
+        }
+        let mut records = Vec::with_capacity(batch.len());
+        let mut total = 0usize;
+        for (&cache, &sample_id) in batch.caches.iter().zip(&batch.sample_ids) {
+            let reader = self.caches.get(cache as usize).ok_or_else(|| {
+                Error::InvalidArgument(format!("cache code {cache} has no open cache"))
+            })?;
+            let record = if self.verify {
+                reader.record_verified(sample_id)?
+            } else {
+                reader.record(sample_id)?
+            };
+            total += record.len();
+            records.push(record);
+        }
+        batch.data.reserve_exact(total);
+        batch.offsets.reserve_exact(records.len() + 1);
+        batch.offsets.push(0);
+        for record in records {
+            batch.data.extend_from_slice(record);
+            batch.offsets.push(batch.data.len() as u64);
+        }
+        Ok(batch)
+    }
+}
+
+/// Reads a sequence of batches on a native thread, `depth` batches ahead.
+pub struct Prefetcher {
+    rx: Mutex<Receiver<Result<Batch>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Prefetcher {
+    /// Starts reading `numbers` (batch numbers of `source.schedule`, in the order they will
+    /// be consumed).
+    pub fn start(
+        source: Source,
+        numbers: impl Iterator<Item = u64> + Send + 'static,
+        depth: usize,
+    ) -> Result<Self> {
+        let (tx, rx) = sync_channel(depth.max(1));
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("drt-prefetch".into())
+            .spawn(move || {
+                for number in numbers {
+                    if stopping.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    // A panic while reading must reach the consumer as an error, never
+                    // abort the process or leave it waiting.
+                    let result = catch_unwind(AssertUnwindSafe(|| source.read(number)))
+                        .unwrap_or_else(|_| {
+                            Err(Error::InvalidArgument(format!(
+                                "reading batch {number} panicked"
+                            )))
+                        });
+                    let failed = result.is_err();
+                    if tx.send(result).is_err() || failed {
+                        return;
+                    }
+                }
+            })
+            .map_err(|source| Error::Io {
+                path: "<prefetch thread>".into(),
+                source,
+            })?;
+        Ok(Self {
+            rx: Mutex::new(rx),
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The next batch, waiting for it if needed; `None` once all were read.
+    pub fn next(&self) -> Option<Result<Batch>> {
+        let rx = self
+            .rx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        rx.recv().ok()
+    }
+}
+
+impl Drop for Prefetcher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Empty the queue so that a thread blocked on a full queue can see the stop flag.
+        if let Ok(rx) = self.rx.get_mut() {
+            while rx.try_recv().is_ok() {}
+        }
+        let (tx, rx) = sync_channel(0);
+        drop(tx);
+        if let Ok(old) = self.rx.get_mut() {
+            drop(std::mem::replace(old, rx));
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Manifest;
+    use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};
+
+    fn cache(dir: &std::path::Path, n: u64) -> CacheReader {
+        let mut w = CacheWriter::create(dir, WriteOptions::default()).unwrap();
+        for i in 0..n {
+            w.append(format!("record-{i}").as_bytes()).unwrap();
+        }
+        std::fs::write(dir.join(Manifest::metadata_file(1)), b"m").unwrap();
+        w.finish(ManifestInfo {
+            name: "p".into(),
+            cache_id: "000000000000".into(),
+            serializer: "pickle".into(),
+            metadata_version: 1,
+        })
+        .unwrap();
+        CacheReader::open(dir).unwrap()
+    }
+
+    fn source(dir: &std::path::Path, weighted: bool, batch: u64) -> Source {
+        let reader = cache(&dir.join("c"), 20);
+        let ids: Vec<u64> = (0..20).rev().collect();
+        let weights = [1.0; 20];
+        let plan_path = dir.join("plan");
+        Plan::write(&plan_path, &ids, None, weighted.then_some(&weights[..])).unwrap();
+        Source {
+            plan: Arc::new(Plan::open(&plan_path).unwrap()),
+            caches: Arc::new(vec![reader]),
+            stream: Stream::new(0, 0),
+            schedule: Schedule::new(20, 0, 0, 1, batch, false).unwrap(),
+            verify: true,
+        }
+    }
+
+    fn records(batch: &Batch) -> Vec<String> {
+        batch
+            .offsets
+            .windows(2)
+            .map(|w| String::from_utf8(batch.data[w[0] as usize..w[1] as usize].to_vec()).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn batches_hold_the_scheduled_records_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("c")).unwrap();
+        let src = source(dir.path(), false, 8);
+        let pre = Prefetcher::start(src, 0..3, 2).unwrap();
+        let mut got = Vec::new();
+        while let Some(batch) = pre.next() {
+            got.extend(records(&batch.unwrap()));
+        }
+        let expected: Vec<String> = (0..20).rev().map(|i| format!("record-{i}")).collect();
+        assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn dropping_a_prefetcher_mid_stream_stops_its_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("c")).unwrap();
+        let src = source(dir.path(), true, 1);
+        let pre = Prefetcher::start(src, 0..u64::MAX, 1).unwrap();
+        assert!(pre.next().is_some());
+        drop(pre); // must return: the thread is blocked on a full queue
+    }
+
+    #[test]
+    fn a_read_error_ends_the_stream_with_that_error() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("c")).unwrap();
+        let mut src = source(dir.path(), false, 4);
+        src.caches = Arc::new(Vec::new());
+        let pre = Prefetcher::start(src, 0..5, 2).unwrap();
+        let err = pre.next().unwrap().unwrap_err();
+        assert!(err.to_string().contains("cache code 0"), "{err}");
+        assert!(pre.next().is_none());
+    }
+}

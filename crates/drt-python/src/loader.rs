@@ -1,0 +1,254 @@
+//! The loader's native side: writing its plan, its schedule, and streams of batches.
+
+use std::ffi::{c_int, c_void};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use arrow_array::types::{Float64Type, UInt32Type, UInt64Type};
+use drt_core::plan::Plan;
+use drt_core::prefetch::{Batch, Prefetcher, Source};
+use drt_core::reader::CacheReader;
+use drt_core::sampler::Stream;
+use drt_core::schedule::Schedule;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+use crate::arrow::{primitive_column, read_stream};
+use crate::errors::{run, to_py};
+
+/// Writes a loader plan from a frame with `sample_id` (UInt64), `cache` (UInt32, when there
+/// are several caches) and `weight` (Float64, when `weighted`); returns its digest in hex.
+#[pyfunction]
+pub fn write_plan(
+    py: Python<'_>,
+    path: PathBuf,
+    frame: &Bound<'_, PyAny>,
+    num_caches: u32,
+    weighted: bool,
+) -> PyResult<String> {
+    let batches = read_stream(frame)?;
+    let sample_ids = primitive_column::<UInt64Type>(&batches, "sample_id")?;
+    let codes = if num_caches > 1 {
+        Some(primitive_column::<UInt32Type>(&batches, "cache")?)
+    } else {
+        None
+    };
+    let weights = if weighted {
+        Some(primitive_column::<Float64Type>(&batches, "weight")?)
+    } else {
+        None
+    };
+    drop(batches);
+    let digest = run(py, || {
+        Plan::write(
+            &path,
+            &sample_ids,
+            codes.as_deref().map(|c| (c, num_caches)),
+            weights.as_deref(),
+        )
+    })?;
+    Ok(format!("{digest:016x}"))
+}
+
+#[pyclass(name = "Schedule", module = "dataset_rt._native", frozen)]
+pub struct PySchedule {
+    inner: Schedule,
+}
+
+#[pymethods]
+impl PySchedule {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        total: u64,
+        cursor: u64,
+        rank: u64,
+        world_size: u64,
+        batch_size: u64,
+        drop_last: bool,
+    ) -> PyResult<Self> {
+        Schedule::new(total, cursor, rank, world_size, batch_size, drop_last)
+            .map(|inner| Self { inner })
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Pickles as its constructor arguments, so that it travels to worker processes.
+    fn __getnewargs__(&self) -> (u64, u64, u64, u64, u64, bool) {
+        let s = &self.inner;
+        (
+            s.total,
+            s.cursor,
+            s.rank,
+            s.world_size,
+            s.batch_size,
+            s.drop_last,
+        )
+    }
+
+    #[getter]
+    fn total(&self) -> u64 {
+        self.inner.total
+    }
+
+    #[getter]
+    fn cursor(&self) -> u64 {
+        self.inner.cursor
+    }
+
+    #[getter]
+    fn num_batches(&self) -> u64 {
+        self.inner.num_batches()
+    }
+
+    #[getter]
+    fn per_rank(&self) -> u64 {
+        self.inner.per_rank()
+    }
+
+    fn cursor_after(&self, batches: u64) -> u64 {
+        self.inner.cursor_after(batches)
+    }
+}
+
+#[pyclass(name = "Batch", module = "dataset_rt._native", frozen)]
+pub struct PyBatch {
+    inner: Batch,
+}
+
+#[pymethods]
+impl PyBatch {
+    /// Exposes the records' bytes as one read-only buffer (`memoryview(batch)`).
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let data = &slf.get().inner.data;
+        // SAFETY: `view` is the buffer Python asks us to fill; the bytes belong to this
+        // frozen object, which never changes them and which the view keeps alive (FillInfo
+        // stores a new reference to `slf` in `view.obj`).
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                data.as_ptr() as *mut c_void,
+                data.len() as pyo3::ffi::Py_ssize_t,
+                1,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    #[getter]
+    fn number(&self) -> u64 {
+        self.inner.number
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.data.len()
+    }
+
+    #[getter]
+    fn offsets(&self) -> Vec<u64> {
+        self.inner.offsets.clone()
+    }
+
+    #[getter]
+    fn sample_ids(&self) -> Vec<u64> {
+        self.inner.sample_ids.clone()
+    }
+
+    #[getter]
+    fn caches(&self) -> Vec<u32> {
+        self.inner.caches.clone()
+    }
+}
+
+#[pyclass(name = "BatchStream", module = "dataset_rt._native", frozen)]
+pub struct PyBatchStream {
+    prefetcher: Prefetcher,
+    pid: u32,
+}
+
+#[pymethods]
+impl PyBatchStream {
+    /// Starts reading batches `first, first + step, ...` of `schedule` on a native thread.
+    /// `cache_dirs[i]` must hold the build `cache_ids[i]`.
+    #[new]
+    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, seed, epoch, first, step, depth, verify))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        plan_path: PathBuf,
+        cache_dirs: Vec<PathBuf>,
+        cache_ids: Vec<String>,
+        schedule: &PySchedule,
+        seed: u64,
+        epoch: u64,
+        first: u64,
+        step: u64,
+        depth: usize,
+        verify: bool,
+    ) -> PyResult<Self> {
+        let schedule = schedule.inner;
+        let prefetcher = run(py, || {
+            let plan = Plan::open(&plan_path)?;
+            let mut caches = Vec::with_capacity(cache_dirs.len());
+            for (dir, expected) in cache_dirs.iter().zip(&cache_ids) {
+                let reader = CacheReader::open(dir)?;
+                let found = &reader.manifest().cache_id;
+                if found != expected {
+                    return Err(drt_core::Error::Rebuilt {
+                        name: reader.manifest().name.clone(),
+                        expected: expected.clone(),
+                        found: found.clone(),
+                    });
+                }
+                caches.push(reader);
+            }
+            let source = Source {
+                plan: Arc::new(plan),
+                caches: Arc::new(caches),
+                stream: Stream::new(seed, epoch),
+                schedule,
+                verify,
+            };
+            let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
+            Prefetcher::start(source, numbers, depth)
+        })?;
+        Ok(Self {
+            prefetcher,
+            pid: std::process::id(),
+        })
+    }
+
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<PyBatch>> {
+        if std::process::id() != self.pid {
+            // Threads do not survive fork: the prefetch thread lives in the parent only.
+            return Err(PyRuntimeError::new_err(
+                "a dataset_rt batch stream cannot be used in a forked child; iterate the \
+                 loader inside the child instead",
+            ));
+        }
+        match py.detach(|| self.prefetcher.next()) {
+            None => Ok(None),
+            Some(Ok(inner)) => Ok(Some(PyBatch { inner })),
+            Some(Err(e)) => Err(to_py(py, e)),
+        }
+    }
+}

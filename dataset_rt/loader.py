@@ -1,0 +1,446 @@
+"""Training loaders spawned from a metadata frame: ``df.drt.loader(...)``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from dataset_rt import _native, registry
+from dataset_rt.cache import Cache, PathLike
+from dataset_rt.errors import (
+    ArgumentError,
+    LoaderStateError,
+    MetadataError,
+    SerializationError,
+    TransformError,
+)
+from dataset_rt.metadata import check_weights
+from dataset_rt.serialize import Decoder
+
+__all__ = ["Loader", "LoaderSpec", "assemble"]
+
+STATE_FORMAT = 1
+Collate = Callable[[list[Any]], Any]
+Transform = Callable[[Any], Any]
+
+
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"at least {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ArgumentError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def _default_collate() -> Collate:
+    try:
+        from torch.utils.data import default_collate
+    except ImportError:
+        return list
+    return default_collate
+
+
+def _distributed() -> tuple[int, int] | None:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def _plan_dir() -> str:
+    # /dev/shm keeps the plan in RAM and shares its pages between worker processes.
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix="dataset_rt-loader-", dir=base)
+
+
+class _Portable:
+    """A callable that travels to worker processes with dill when pickle cannot take it."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import dill
+
+        return (_from_dill, (dill.dumps(self.fn, recurse=True),))
+
+
+def _from_dill(data: bytes) -> _Portable:
+    import dill
+
+    return _Portable(dill.loads(data))
+
+
+def _portable(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` if it pickles; else ``fn`` wrapped for dill; else a clear error."""
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        try:
+            import dill  # noqa: F401
+        except ImportError:
+            raise ArgumentError(
+                f"{name}={fn!r} cannot be sent to worker processes: define it at module level "
+                "(lambdas and local functions do not pickle), or pip install dill"
+            ) from exc
+        return _Portable(fn)
+    return fn
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """Everything a process needs to read a loader's batches; small and picklable."""
+
+    plan: str
+    cache_dirs: tuple[str, ...]
+    cache_ids: tuple[str, ...]
+    cache_names: tuple[str, ...]
+    decoders: tuple[Decoder, ...]
+    transform: Transform | None
+    collate: Collate
+    seed: int
+    depth: int
+    verify: bool
+
+    def stream(
+        self, schedule: _native.Schedule, epoch: int, first: int, step: int
+    ) -> _native.BatchStream:
+        """The native stream of batches ``first, first + step, ...`` of ``schedule``."""
+        return _native.BatchStream(
+            self.plan,
+            list(self.cache_dirs),
+            list(self.cache_ids),
+            schedule,
+            self.seed,
+            epoch,
+            first,
+            step,
+            self.depth,
+            self.verify,
+        )
+
+
+def assemble(batch: _native.Batch, spec: LoaderSpec) -> Any:
+    """Decodes, transforms and collates the records of one native batch."""
+    view = memoryview(batch)
+    offsets = batch.offsets
+    ids = batch.sample_ids
+    caches = batch.caches
+    decoders = spec.decoders
+    transform = spec.transform
+    records = []
+    for i, sample_id in enumerate(ids):
+        cache = caches[i]
+        try:
+            record = decoders[cache](view[offsets[i] : offsets[i + 1]])
+        except Exception as exc:
+            raise SerializationError(
+                f"decoding sample_id {sample_id} of cache {spec.cache_names[cache]!r} "
+                f"failed: {exc!r}"
+            ) from exc
+        if transform is not None:
+            try:
+                record = transform(record)
+            except Exception as exc:
+                raise TransformError(
+                    f"transform failed on sample_id {sample_id} of cache "
+                    f"{spec.cache_names[cache]!r}: {exc!r}"
+                ) from exc
+        records.append(record)
+    return spec.collate(records)
+
+
+class Loader:
+    """Batches of decoded records drawn from a metadata frame; see ``df.drt.loader``.
+
+    A loader snapshots its frame when built: later edits of the frame or of the cache's
+    metadata do not change it. Iterating yields this rank's batches of the current epoch,
+    from where the last iteration (or :meth:`load_state_dict`) left off.
+    """
+
+    def __init__(
+        self,
+        frame: pl.DataFrame | pl.LazyFrame,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_samples: int | None = None,
+        decode: Decoder | None = None,
+        transform: Transform | None = None,
+        collate: Collate | None = None,
+        num_workers: int = 0,
+        prefetch: int = 4,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        root: PathLike | None = None,
+        verify: bool = False,
+    ) -> None:
+        self._batch_size = _check_int("batch_size", batch_size, 1)
+        self._num_workers = _check_int("num_workers", num_workers, 0)
+        prefetch = _check_int("prefetch", prefetch, 1)
+        seed = _check_int("seed", seed, 0, 2**64 - 1)
+        self._shuffle = bool(shuffle)
+        self._drop_last = bool(drop_last)
+        if num_samples is not None:
+            if not self._shuffle:
+                raise ArgumentError(
+                    "num_samples applies to shuffled loaders; shuffle=False reads every row once"
+                )
+            num_samples = _check_int("num_samples", num_samples, 1)
+        self._rank, self._world_size = self._resolve_ranks(rank, world_size)
+        if self._num_workers > 0:
+            try:
+                import torch  # noqa: F401
+            except ImportError:
+                raise ArgumentError(
+                    "num_workers > 0 runs PyTorch DataLoader workers: pip install torch, "
+                    "or use num_workers=0"
+                ) from None
+
+        data = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
+        if not isinstance(data, pl.DataFrame):
+            raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
+        caches, plan_frame = self._snapshot(data, root)
+        self._rows = plan_frame.height
+        self._total = num_samples if num_samples is not None else self._rows
+
+        if collate is None:
+            collate = _default_collate()
+        decoders = tuple(self._decoder(c, decode) for c in caches)
+        if self._num_workers > 0:
+            decoders = tuple(_portable("decode", d) for d in decoders)
+            transform = _portable("transform", transform) if transform is not None else None
+            collate = _portable("collate", collate)
+
+        directory = _plan_dir()
+        self._cleanup = weakref.finalize(self, shutil.rmtree, directory, True)
+        plan = os.path.join(directory, "plan.bin")
+        digest = _native.write_plan(plan, plan_frame, len(caches), self._shuffle)
+        ids_digest = hashlib.sha256("\n".join(c.cache_id for c in caches).encode()).hexdigest()
+        self._fingerprint = f"{digest}-{ids_digest[:16]}"
+        self._spec = LoaderSpec(
+            plan=plan,
+            cache_dirs=tuple(str(c.path) for c in caches),
+            cache_ids=tuple(c.cache_id for c in caches),
+            cache_names=tuple(c.name for c in caches),
+            decoders=decoders,
+            transform=transform,
+            collate=collate,
+            seed=seed,
+            depth=prefetch,
+            verify=bool(verify),
+        )
+        self._epoch = 0
+        self._cursor = 0
+
+    @staticmethod
+    def _resolve_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
+        if rank is None and world_size is None:
+            return _distributed() or (0, 1)
+        if rank is None or world_size is None:
+            raise ArgumentError("pass both rank and world_size, or neither")
+        world_size = _check_int("world_size", world_size, 1)
+        return _check_int("rank", rank, 0, world_size - 1), world_size
+
+    def _snapshot(
+        self, data: pl.DataFrame, root: PathLike | None
+    ) -> tuple[list[Cache], pl.DataFrame]:
+        needed = ["cache_id", "sample_id"] + (["weight"] if self._shuffle else [])
+        missing = [c for c in needed if c not in data.columns]
+        if missing:
+            raise MetadataError(
+                f"a loader needs the frame's column(s) {missing}: cache_id and sample_id link "
+                "rows to records, and a shuffled loader draws by weight"
+            )
+        if data.height == 0:
+            raise MetadataError("the frame has no rows: there is nothing to load")
+        cache_ids = data["cache_id"].cast(pl.String)
+        ids = data["sample_id"]
+        if cache_ids.null_count() or not ids.dtype.is_integer() or ids.null_count():
+            raise MetadataError("cache_id must be non-null strings and sample_id non-null integers")
+        uniques = cache_ids.unique(maintain_order=True).to_list()
+        caches = [registry.find(cid, root) for cid in uniques]
+        codes = cache_ids.replace_strict(uniques, range(len(uniques)), return_dtype=pl.UInt32)
+        bounds = (
+            pl.DataFrame({"cache": codes, "sample_id": ids})
+            .group_by("cache")
+            .agg(low=pl.col("sample_id").min(), high=pl.col("sample_id").max())
+        )
+        for code, low, high in bounds.iter_rows():
+            cache = caches[code]
+            if low < 0 or high >= len(cache):
+                bad = low if low < 0 else high
+                raise MetadataError(
+                    f"sample_id {bad} is not a sample of cache {cache.name!r} "
+                    f"({len(cache)} samples)"
+                )
+        columns = {"sample_id": ids.cast(pl.UInt64), "cache": codes}
+        if self._shuffle:
+            columns["weight"] = check_weights(data["weight"], ids)
+        return caches, pl.DataFrame(columns)
+
+    @staticmethod
+    def _decoder(cache: Cache, decode: Decoder | None) -> Decoder:
+        if decode is not None:
+            return decode
+        if cache.decoder is None:
+            raise SerializationError(
+                f"cache {cache.name!r} was written with the serializer {cache.serializer}; "
+                "pass decode=<function from bytes to record> to the loader"
+            )
+        return cache.decoder
+
+    # -- epochs and state ---------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch whose draws the next iteration yields.
+
+        Setting the epoch the loader is already in keeps its position, so that a loop that
+        calls ``set_epoch`` at the top of every epoch resumes mid-epoch after
+        :meth:`load_state_dict`.
+        """
+        epoch = _check_int("epoch", epoch, 0, 2**63 - 1)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._cursor = 0
+
+    def _schedule(self, cursor: int) -> _native.Schedule:
+        return _native.Schedule(
+            self._total,
+            cursor,
+            self._rank,
+            self._world_size,
+            self._batch_size,
+            self._drop_last,
+        )
+
+    def __len__(self) -> int:
+        """Batches this rank yields in a whole epoch (the same on every rank)."""
+        return self._schedule(0).num_batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position: a small dict of plain values, for ``torch.save``.
+
+        It records the epoch and the first position of the epoch's global stream that no
+        rank has consumed, so it resumes at any world size, worker count or batch size.
+        """
+        return {
+            "format": STATE_FORMAT,
+            "epoch": self._epoch,
+            "position": self._cursor,
+            "seed": self._spec.seed,
+            "total": self._total,
+            "shuffle": self._shuffle,
+            "plan": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues from a position saved by :meth:`state_dict`, in O(1).
+
+        Raises
+        ------
+        LoaderStateError
+            The state does not come from a loader over the same rows, weights, seed and
+            epoch length.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise LoaderStateError(f"not a dataset_rt loader state: {state!r}")
+        for key, mine in (
+            ("plan", self._fingerprint),
+            ("seed", self._spec.seed),
+            ("total", self._total),
+            ("shuffle", self._shuffle),
+        ):
+            if state.get(key) != mine:
+                raise LoaderStateError(
+                    f"the state's {key} is {state.get(key)!r} but this loader's is {mine!r}: "
+                    "it was saved by a loader over other rows, weights or settings"
+                )
+        self._epoch = _check_int("epoch", state["epoch"], 0, 2**63 - 1)
+        self._cursor = _check_int("position", state["position"], 0, self._total)
+
+    # -- iteration -----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        if self._cursor >= self._total:
+            self._cursor = 0  # a finished epoch starts over, as a PyTorch loader does
+        schedule = self._schedule(self._cursor)
+        if self._num_workers == 0:
+            batches: Iterator[Any] = self._local(schedule)
+        else:
+            from dataset_rt.workers import worker_batches
+
+            batches = worker_batches(self._spec, schedule, self._epoch, self._num_workers)
+        return self._counted(schedule, batches)
+
+    def _local(self, schedule: _native.Schedule) -> Iterator[Any]:
+        spec = self._spec
+        for batch in spec.stream(schedule, self._epoch, 0, 1):
+            yield assemble(batch, spec)
+
+    def _counted(self, schedule: _native.Schedule, batches: Iterator[Any]) -> Iterator[Any]:
+        consumed = 0
+        try:
+            for batch in batches:
+                consumed += 1
+                self._cursor = schedule.cursor_after(consumed)
+                yield batch
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Loader(rows={self._rows:,}, batch_size={self._batch_size}, "
+            f"shuffle={self._shuffle}, epoch={self._epoch}, position={self._cursor}/"
+            f"{self._total}, rank={self._rank}/{self._world_size}, "
+            f"num_workers={self._num_workers})"
+        )
+
+
+def epoch_frame(
+    frame: pl.LazyFrame,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    num_samples: int | None = None,
+    shuffle: bool = True,
+    weight: str = "weight",
+) -> pl.DataFrame:
+    """The global draw sequence of one epoch as a frame; see ``df.drt.epoch``."""
+    from dataset_rt import plugins
+
+    data = frame.collect()
+    if not shuffle:
+        if num_samples is not None:
+            raise ArgumentError("num_samples applies to shuffled epochs")
+        return data.with_row_index("draw").with_columns(pl.col("draw").cast(pl.Int64))
+    rows = data.select(plugins.draw_rows(weight, num_samples, seed=seed, epoch=epoch)).to_series()
+    return (
+        data.select(pl.all().gather(rows))
+        .with_row_index("draw")
+        .with_columns(pl.col("draw").cast(pl.Int64))
+    )

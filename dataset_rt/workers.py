@@ -1,0 +1,67 @@
+"""The loader's worker path: PyTorch DataLoader workers, each reading its share of batches.
+
+Worker ``w`` of ``W`` reads batches ``w, w + W, w + 2W, ...`` of the rank's schedule with its
+own native prefetch thread, decodes, transforms and collates them, and sends back the
+collated batch (PyTorch moves tensors through shared memory). The DataLoader takes one
+batch from each worker in turn, so batches arrive in the same order as without workers.
+
+Workers are started with ``forkserver`` (or ``spawn`` where that is missing), never plain
+``fork``: a child forked from a process whose Polars thread pool has run can deadlock.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from typing import Any
+
+import torch.utils.data as tud
+
+from dataset_rt import _native
+from dataset_rt.loader import LoaderSpec, assemble
+
+__all__ = ["worker_batches"]
+
+
+def _keep(batch: Any) -> Any:
+    return batch
+
+
+class _WorkerStream(tud.IterableDataset[Any]):
+    def __init__(self, spec: LoaderSpec, schedule: _native.Schedule, epoch: int) -> None:
+        self.spec = spec
+        self.schedule = schedule
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        info = tud.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for batch in self.spec.stream(self.schedule, self.epoch, worker, workers):
+            yield assemble(batch, self.spec)
+
+
+def _context() -> Any:
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+def worker_batches(
+    spec: LoaderSpec, schedule: _native.Schedule, epoch: int, num_workers: int
+) -> Iterator[Any]:
+    """Yields the rank's batches from ``schedule``, read by ``num_workers`` processes."""
+    loader = tud.DataLoader(
+        _WorkerStream(spec, schedule, epoch),
+        batch_size=None,
+        collate_fn=_keep,
+        num_workers=num_workers,
+        multiprocessing_context=_context(),
+        prefetch_factor=max(1, -(-spec.depth // num_workers)),
+        persistent_workers=False,
+    )
+    iterator = iter(loader)
+    try:
+        yield from iterator
+    finally:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
