@@ -152,7 +152,7 @@ class Cache:
             )
         data = self.get_bytes(sample_id, verify=verify)
         try:
-            return decoder(memoryview(data))
+            return decoder(data)
         except Exception as exc:
             raise SerializationError(
                 f"decoding sample_id {sample_id} of cache {self.name!r} failed: {exc!r}"

@@ -6,6 +6,7 @@ import hashlib
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -51,9 +52,10 @@ def _default_collate() -> Collate:
 
 
 def _distributed() -> tuple[int, int] | None:
-    try:
-        import torch.distributed as dist
-    except ImportError:
+    # A process group can only be initialised once torch is imported: never import it here
+    # just to find out (that alone takes over a second).
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
         return None
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -137,33 +139,42 @@ class LoaderSpec:
         )
 
 
+def _apply(
+    fn: Callable[[Any], Any], items: list[Any], spec: LoaderSpec, batch: _native.Batch, what: str
+) -> list[Any]:
+    """``[fn(x) for x in items]`` at C speed; on failure, names the sample that failed.
+
+    After a failure the items are applied again one by one to find the culprit, so ``fn``
+    runs twice on the records before it: only on the way to raising the error.
+    """
+    try:
+        return list(map(fn, items))
+    except Exception:
+        pass
+    ids, caches = batch.sample_ids, batch.caches
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(fn(item))
+        except Exception as exc:
+            where = f"sample_id {ids[i]} of cache {spec.cache_names[caches[i]]!r}"
+            if what == "decode":
+                raise SerializationError(f"decoding {where} failed: {exc!r}") from exc
+            raise TransformError(f"transform failed on {where}: {exc!r}") from exc
+    return out  # pragma: no cover - only reached if fn fails once and then succeeds
+
+
 def assemble(batch: _native.Batch, spec: LoaderSpec) -> Any:
     """Decodes, transforms and collates the records of one native batch."""
-    view = memoryview(batch)
-    offsets = batch.offsets
-    ids = batch.sample_ids
-    caches = batch.caches
-    decoders = spec.decoders
-    transform = spec.transform
-    records = []
-    for i, sample_id in enumerate(ids):
-        cache = caches[i]
-        try:
-            record = decoders[cache](view[offsets[i] : offsets[i + 1]])
-        except Exception as exc:
-            raise SerializationError(
-                f"decoding sample_id {sample_id} of cache {spec.cache_names[cache]!r} "
-                f"failed: {exc!r}"
-            ) from exc
-        if transform is not None:
-            try:
-                record = transform(record)
-            except Exception as exc:
-                raise TransformError(
-                    f"transform failed on sample_id {sample_id} of cache "
-                    f"{spec.cache_names[cache]!r}: {exc!r}"
-                ) from exc
-        records.append(record)
+    payloads = batch.records()
+    if len(spec.decoders) == 1:
+        records = _apply(spec.decoders[0], payloads, spec, batch, "decode")
+    else:
+        decoders = spec.decoders
+        pairs = list(zip(batch.caches, payloads, strict=True))
+        records = _apply(lambda p: decoders[p[0]](p[1]), pairs, spec, batch, "decode")
+    if spec.transform is not None:
+        records = _apply(spec.transform, records, spec, batch, "transform")
     return spec.collate(records)
 
 

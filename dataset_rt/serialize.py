@@ -15,13 +15,8 @@ __all__ = ["Decoder", "Serializer", "SerializerSpec", "decoder_for", "resolve_se
 Serializer = Callable[[Any], bytes | bytearray | memoryview]
 """A function turning one record into its bytes."""
 
-Decoder = Callable[[memoryview], Any]
-"""A function turning a record's bytes back into the record.
-
-It receives a read-only ``memoryview`` of the bytes (which ``pickle.loads``,
-``numpy.frombuffer`` and ``torch.frombuffer`` take as they are); call ``bytes(view)`` where
-a ``bytes`` object is needed. The view is only valid during the call.
-"""
+Decoder = Callable[[bytes], Any]
+"""A function turning a record's bytes (a ``bytes`` object) back into the record."""
 
 SerializerSpec = Literal["pickle", "dill"] | Serializer
 """``"pickle"``, ``"dill"``, or a function returning bytes."""

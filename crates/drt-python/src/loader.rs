@@ -12,6 +12,7 @@ use drt_core::sampler::Stream;
 use drt_core::schedule::Schedule;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
 
 use crate::arrow::{primitive_column, read_stream};
 use crate::errors::{run, to_py};
@@ -157,6 +158,16 @@ impl PyBatch {
     #[getter]
     fn nbytes(&self) -> usize {
         self.inner.data.len()
+    }
+
+    /// The records as a list of `bytes`, one Python object each.
+    fn records<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let batch = &self.inner;
+        let records = batch
+            .offsets
+            .windows(2)
+            .map(|w| PyBytes::new(py, &batch.data[w[0] as usize..w[1] as usize]));
+        PyList::new(py, records)
     }
 
     #[getter]
