@@ -201,7 +201,7 @@ def descendants(root):
 
 c = drt.open({name!r}, root={root!r})
 loader = c.metadata.drt.loader(batch_size=256, seed=0, num_workers={workers},
-                               num_samples=100_000)
+                               num_samples=min(100_000, 10 * len(c)))
 peak = {{}}
 for i, _ in enumerate(loader):
     if i % 40 == 0:
@@ -287,6 +287,7 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scale", action="store_true", help="add the 10M and 100M points")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check it runs")
     args = parser.parse_args()
     print(
         textwrap.dedent(f"""\
@@ -294,8 +295,14 @@ def main() -> None:
         median of {args.rounds} rounds after a warm-up; ratio = figure / baseline""")
     )
     small_workload(args.records, args.rounds, args.draws)
-    scale_points([1_000_000, 10_000_000] if args.scale else [1_000_000], args.rounds)
-    sampler_build(100_000_000 if args.scale else 10_000_000)
+    if args.smoke:
+        sizes, sampler_rows = [2_000, 20_000], 100_000
+    elif args.scale:
+        sizes, sampler_rows = [1_000_000, 10_000_000], 100_000_000
+    else:
+        sizes, sampler_rows = [1_000_000], 10_000_000
+    scale_points(sizes, args.rounds)
+    sampler_build(sampler_rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,36 @@
+"""The benchmarks run (at tiny sizes) so that they never rot; their figures are not checked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["build.py", "--records", "300", "--rounds", "1"], ["serialize only", "drt.cache"]),
+        (["metadata.py", "--rows", "20000", "--rounds", "1"], ["native Polars", ".drt.balance"]),
+        (
+            ["loader.py", "--records", "2000", "--draws", "2000", "--rounds", "1", "--smoke"],
+            ["P1 ", "P2 ", "P7 ", "P3 ", "P5 ", "sampler for"],
+        ),
+    ],
+    ids=["build", "metadata", "loader"],
+)
+def test_benchmark_runs_and_prints_its_table(args: list[str], expected: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, str(BENCH / args[0]), *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    for line in expected:
+        assert line in result.stdout, result.stdout
