@@ -210,7 +210,6 @@ class DrtFrameNamespace(_FrameMethods):
     """dataset_rt's methods on a metadata DataFrame: ``df.drt.summary(by="label")``."""
 
     def __init__(self, frame: pl.DataFrame) -> None:
-        self._df = frame
         self._frame = frame
         self._lazy = frame.lazy()
 
@@ -228,7 +227,7 @@ class DrtFrameNamespace(_FrameMethods):
 
     def plot(self, by: str, *, weight: str = "weight") -> Any:
         """Draws the natural vs. weighted distribution of ``by`` (matplotlib); returns the Axes."""
-        return summary.plot(self._df, by, weight=weight)
+        return summary.plot(self._lazy, by, weight=weight)
 
 
 @pl.api.register_lazyframe_namespace("drt")

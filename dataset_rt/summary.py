@@ -47,7 +47,7 @@ def summary(
     )
 
 
-def plot(frame: pl.DataFrame, by: str, *, weight: str = "weight") -> Any:
+def plot(frame: pl.LazyFrame, by: str, *, weight: str = "weight") -> Any:
     """Bar chart of the natural vs. the weighted share of each group; returns the Axes."""
     try:
         import matplotlib.pyplot as plt
@@ -55,7 +55,7 @@ def plot(frame: pl.DataFrame, by: str, *, weight: str = "weight") -> Any:
         raise ImportError(
             "df.drt.plot draws with matplotlib: pip install matplotlib (or dataset-rt[plot])"
         ) from exc
-    table = summary(frame.lazy(), by, weight=weight).collect()
+    table = summary(frame, by, weight=weight).collect()
     labels = [str(v) for v in table[by].to_list()]
     positions = range(len(labels))
     width = 0.4
