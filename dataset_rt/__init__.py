@@ -18,10 +18,13 @@ from dataset_rt._version_check import check_polars_version
 from dataset_rt.build import cache
 from dataset_rt.cache import Cache, default_root, list_caches, open
 from dataset_rt.loader import Loader
+from dataset_rt.verify import Problem, VerifyReport, verify
 
 __all__ = [
     "Cache",
     "Loader",
+    "Problem",
+    "VerifyReport",
     "__version__",
     "cache",
     "default_root",
@@ -29,6 +32,7 @@ __all__ = [
     "list_caches",
     "namespace",
     "open",
+    "verify",
 ]
 
 check_polars_version()

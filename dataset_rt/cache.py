@@ -6,15 +6,17 @@ import html
 import json
 import operator
 import os
+import re
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from dataset_rt import _native, registry
 from dataset_rt.errors import (
     CacheCorruptError,
+    CacheIOError,
     CacheNotFoundError,
     MetadataError,
     SampleIndexError,
@@ -24,6 +26,9 @@ from dataset_rt.errors import (
 from dataset_rt.metadata import checked_edit
 from dataset_rt.progress import format_bytes
 from dataset_rt.serialize import Decoder, decoder_for
+
+if TYPE_CHECKING:
+    from dataset_rt.verify import VerifyReport
 
 __all__ = ["Cache", "default_root", "list_caches", "open", "resolve_root"]
 
@@ -177,9 +182,22 @@ class Cache:
     def _metadata_path(self, version: int) -> Path:
         return self.path / "metadata" / f"v{version:05d}.parquet"
 
-    def _read_metadata(self, version: int) -> pl.DataFrame:
+    def _read_metadata(self, version: int, manifest: dict[str, Any] | None = None) -> pl.DataFrame:
         path = self._metadata_path(version)
+        if path.is_symlink():
+            raise CacheCorruptError(f"{path}: is a symbolic link; cache files must be regular")
+        expected = (manifest or self._live_manifest()).get("metadata_checksums", {})
+        expected = expected.get(str(version))
         try:
+            if expected is not None:
+                # Checked before parsing: a flipped bit in a weight would parse as a wrong
+                # weight. Hashing runs at memory speed, a small cost next to the parse.
+                _, digest = _native.file_checksum(path)
+                if digest != expected:
+                    raise CacheCorruptError(
+                        f"{path}: metadata table fails its checksum (manifest {expected}, "
+                        f"file {digest}); it was modified outside dataset_rt"
+                    )
             return pl.read_parquet(path)
         except (OSError, pl.exceptions.PolarsError) as exc:
             raise CacheCorruptError(f"{path}: unreadable metadata table: {exc}") from exc
@@ -187,9 +205,10 @@ class Cache:
     @property
     def metadata(self) -> pl.DataFrame:
         """The live metadata table: ``cache_id``, ``sample_id``, attributes, ``weight``."""
-        version = self.metadata_version
+        manifest = self._live_manifest()
+        version = int(manifest["metadata_version"])
         if self._metadata is None or self._metadata[0] != version:
-            self._metadata = (version, self._read_metadata(version))
+            self._metadata = (version, self._read_metadata(version, manifest))
         return self._metadata[1]
 
     def scan(self) -> pl.LazyFrame:
@@ -277,8 +296,10 @@ class Cache:
                 checked.write_parquet(tmp)
                 fsync_file(tmp)
                 os.replace(tmp, final)
-            except BaseException:
+            except BaseException as exc:
                 tmp.unlink(missing_ok=True)
+                if isinstance(exc, OSError | pl.exceptions.PolarsError):
+                    raise _io_error(exc, tmp) from exc
                 raise
             try:
                 store.commit_metadata(lock, self.cache_id, version)
@@ -289,6 +310,15 @@ class Cache:
                 ) from exc
         self._metadata = (version, checked)
         return version
+
+    def verify(self, *, progress: bool = True) -> VerifyReport:
+        """Reads every byte of the cache and reports what is damaged.
+
+        See :func:`dataset_rt.verify`; damage is listed in the report, not raised.
+        """
+        from dataset_rt.verify import verify
+
+        return verify(self.name, root=self._root, progress=progress)
 
     # -- display ----------------------------------------------------------------------------
     def _summary(self) -> list[tuple[str, str]]:
@@ -333,6 +363,17 @@ def fsync_file(path: PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _io_error(exc: BaseException, path: Path) -> CacheIOError:
+    """An error of writing ``path`` as a :class:`CacheIOError`, keeping its errno."""
+    code = getattr(exc, "errno", None)
+    if code is None:
+        # Polars reports OS errors inside its own messages: "... (os error 28)".
+        found = re.search(r"os error (\d+)", str(exc))
+        code = int(found.group(1)) if found else 0
+    reason = os.strerror(code) if code else str(exc)
+    return CacheIOError(code, f"writing the metadata table failed: {reason}", str(path))
 
 
 def _as_sample_id(sample_id: int) -> int:

@@ -7,6 +7,8 @@
 //! <name>/metadata/vNNNNN.parquet  metadata versions; the manifest names the live one
 //! ```
 
+use std::collections::BTreeMap;
+use std::io::Read;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -70,12 +72,21 @@ pub struct Manifest {
     pub metadata_version: u32,
     /// Every metadata version saved so far, oldest first; the live one among them.
     pub metadata_versions: Vec<u32>,
+    /// xxh3-64 of each metadata version's file, by version. Caches written before checksums
+    /// were recorded have none; their tables are checked only by parsing them.
+    #[serde(default)]
+    pub metadata_checksums: BTreeMap<u32, String>,
 }
 
 impl Manifest {
     /// Reads and checks the manifest of the cache in `dir`.
     pub fn read(dir: &Path) -> Result<Manifest> {
         let path = dir.join(MANIFEST_FILE);
+        crate::ensure_intact!(
+            !std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()),
+            &path,
+            "is a symbolic link; cache files must be regular files"
+        );
         let text = std::fs::read(&path).at(&path)?;
         let value: serde_json::Value = serde_json::from_slice(&text)
             .map_err(|e| Error::corrupt(&path, format!("not valid JSON: {e}")))?;
@@ -188,6 +199,26 @@ pub fn validate_name(name: &str) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The size and xxh3-64 of the file at `path`, read with plain reads (never mapped, so a file
+/// truncated meanwhile is an error, not a signal).
+pub fn file_checksum(path: &Path) -> Result<(u64, u64)> {
+    let mut file = std::fs::File::open(path).at(path)?;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e).at(path),
+        };
+        hasher.update(&buf[..n]);
+        size += n as u64;
+    }
+    Ok((size, hasher.digest()))
 }
 
 /// Formats an xxh3-64 digest the way the manifest stores it.

@@ -60,8 +60,23 @@ pub struct Source {
 }
 
 impl Source {
-    /// Reads batch `number` of the schedule.
+    /// Reads batch `number` of the schedule. A mapped file that shrank meanwhile (SIGBUS)
+    /// is an error, and the caches stop serving reads.
     pub fn read(&self, number: u64) -> Result<Batch> {
+        let (result, faulted) = crate::sigbus::guarded(|| self.read_mapped(number));
+        if faulted {
+            for reader in self.caches.iter() {
+                reader.poison();
+            }
+            return Err(self.caches.first().map_or_else(
+                || Error::InvalidArgument("a mapped file shrank".into()),
+                CacheReader::shrank,
+            ));
+        }
+        result
+    }
+
+    fn read_mapped(&self, number: u64) -> Result<Batch> {
         let mut batch = Batch {
             number,
             ..Batch::default()

@@ -4,6 +4,7 @@
 //! reads no payload byte; each read checks the record's bounds against its mapped shard.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use memmap2::Mmap;
 
@@ -22,6 +23,9 @@ pub struct CacheReader {
     manifest: Manifest,
     index: Index,
     shards: Vec<Shard>,
+    /// Set once a mapped file of this cache was found to have shrunk: some of its pages may
+    /// now read as zeros, so no further record is served.
+    poisoned: AtomicBool,
 }
 
 impl std::fmt::Debug for CacheReader {
@@ -37,7 +41,9 @@ impl std::fmt::Debug for CacheReader {
 /// Checks that the file behind `entry` exists with the size the manifest records.
 fn check_size(dir: &Path, entry: &FileEntry) -> Result<PathBuf> {
     let path = dir.join(&entry.file);
-    let meta = std::fs::metadata(&path).map_err(|e| {
+    // Not followed: a cache's files are regular files inside it, and a link could point
+    // anywhere (outside the root included).
+    let meta = std::fs::symlink_metadata(&path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
             Error::corrupt(&path, "file is missing")
         } else {
@@ -47,6 +53,11 @@ fn check_size(dir: &Path, entry: &FileEntry) -> Result<PathBuf> {
             }
         }
     })?;
+    crate::ensure_intact!(
+        meta.is_file(),
+        &path,
+        "is a symbolic link or not a regular file; cache files must be regular files"
+    );
     crate::ensure_intact!(
         meta.len() == entry.size,
         &path,
@@ -88,7 +99,49 @@ impl CacheReader {
             manifest,
             index,
             shards,
+            poisoned: AtomicBool::new(false),
         })
+    }
+
+    /// Refuses reads once a mapped file of the cache shrank.
+    fn check_usable(&self) -> Result<()> {
+        if self.poisoned.load(Ordering::Relaxed) {
+            return Err(self.shrank());
+        }
+        Ok(())
+    }
+
+    /// Marks the cache unreadable after a SIGBUS on one of its mapped files.
+    pub fn poison(&self) {
+        self.poisoned.store(true, Ordering::Relaxed);
+    }
+
+    /// The error reads report after a mapped file of the cache shrank.
+    pub fn shrank(&self) -> Error {
+        Error::corrupt(
+            &self.dir,
+            "a file of this cache shrank while it was mapped (truncated by another process?); \
+             reading from it stopped. Check it with `dataset-rt verify`, rebuild it if damaged, \
+             and open it again",
+        )
+    }
+
+    /// A copy of record `sample_id`'s bytes, checked against its checksum if `verify`. A
+    /// shard truncated under the mapping yields an error instead of SIGBUS.
+    pub fn copy_record(&self, sample_id: u64, verify: bool) -> Result<Vec<u8>> {
+        let (result, faulted) = crate::sigbus::guarded(|| {
+            let bytes = if verify {
+                self.record_verified(sample_id)?
+            } else {
+                self.record(sample_id)?
+            };
+            Ok(bytes.to_vec())
+        });
+        if faulted {
+            self.poison();
+            return Err(self.shrank());
+        }
+        result
     }
 
     /// The cache's directory.
@@ -112,6 +165,7 @@ impl CacheReader {
     }
 
     fn checked_location(&self, sample_id: u64) -> Result<(Location, &Shard)> {
+        self.check_usable()?;
         if sample_id >= self.index.len() {
             return Err(Error::SampleOutOfRange {
                 sample_id,

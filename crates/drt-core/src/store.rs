@@ -50,9 +50,18 @@ impl Store {
     }
 
     /// The directory of cache `name`, after checking the name.
+    /// A symbolic link in the cache's place is refused: it could lead anywhere, outside the
+    /// root included, and a rebuild would replace the link rather than what it points to.
     pub fn cache_dir(&self, name: &str) -> Result<PathBuf> {
         validate_name(name)?;
-        Ok(self.root.join(name))
+        let dir = self.root.join(name);
+        if std::fs::symlink_metadata(&dir).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(Error::corrupt(
+                &dir,
+                "is a symbolic link; a cache must be a directory inside its root",
+            ));
+        }
+        Ok(dir)
     }
 
     /// Whether a published cache directory exists for `name` (valid or not).
@@ -173,8 +182,12 @@ impl Store {
                 crate::error::quote(&lock.name)
             )));
         }
+        let (_, digest) = crate::format::file_checksum(&file)?;
         manifest.metadata_versions.push(version);
         manifest.metadata_version = version;
+        manifest
+            .metadata_checksums
+            .insert(version, crate::format::checksum_hex(digest));
         manifest.write(&dir)
     }
 
@@ -189,7 +202,9 @@ impl Store {
         for entry in entries {
             let entry = entry.at(&self.root)?;
             let name = entry.file_name().to_string_lossy().into_owned();
-            if validate_name(&name).is_ok() && entry.path().join(MANIFEST_FILE).is_file() {
+            let is_dir = entry.file_type().is_ok_and(|t| t.is_dir()); // links not followed
+            if is_dir && validate_name(&name).is_ok() && entry.path().join(MANIFEST_FILE).is_file()
+            {
                 names.push(name);
             }
         }
@@ -323,5 +338,18 @@ mod tests {
             store.manifest("no-manifest"),
             Err(Error::CacheNotFound { .. })
         ));
+    }
+
+    #[test]
+    fn a_symlink_in_a_caches_place_is_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join(MANIFEST_FILE), "{}").unwrap();
+        std::os::unix::fs::symlink(outside.path(), root.path().join("escape")).unwrap();
+        let store = Store::new(root.path());
+        let err = store.cache_dir("escape").unwrap_err().to_string();
+        assert!(err.contains("symbolic link"), "{err}");
+        assert!(store.manifest("escape").is_err());
+        assert!(store.names().unwrap().is_empty());
     }
 }

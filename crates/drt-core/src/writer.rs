@@ -239,6 +239,7 @@ impl CacheWriter {
                 "the metadata table was not written before finishing the build",
             ));
         }
+        let (_, metadata_digest) = crate::format::file_checksum(&metadata)?;
         let num_samples = self.index.len();
         let index_path = self.dir.join(INDEX_FILE);
         let (size, digest) = self.index.write(&index_path)?;
@@ -260,6 +261,7 @@ impl CacheWriter {
             },
             metadata_version: info.metadata_version,
             metadata_versions: vec![info.metadata_version],
+            metadata_checksums: [(info.metadata_version, checksum_hex(metadata_digest))].into(),
         };
         for sub in [SHARDS_DIR, METADATA_DIR] {
             crate::format::sync_dir(&self.dir.join(sub))?;

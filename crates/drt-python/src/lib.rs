@@ -29,6 +29,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<loader::PyBatch>()?;
     m.add_class::<loader::PyBatchStream>()?;
     m.add_function(wrap_pyfunction!(store::validate_name, m)?)?;
+    m.add_function(wrap_pyfunction!(store::file_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(loader::write_plan, m)?)?;
     Ok(())
 }

@@ -52,11 +52,9 @@ impl PyCacheReader {
         sample_id: u64,
         verify: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = if verify {
-            self.inner.record_verified(sample_id)
-        } else {
-            self.inner.record(sample_id)
-        };
-        bytes.map(|b| PyBytes::new(py, b)).map_err(|e| to_py(py, e))
+        self.inner
+            .copy_record(sample_id, verify)
+            .map(|b| PyBytes::new(py, &b))
+            .map_err(|e| to_py(py, e))
     }
 }

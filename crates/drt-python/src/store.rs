@@ -18,6 +18,17 @@ pub fn validate_name(py: Python<'_>, name: &str) -> PyResult<()> {
     drt_core::format::validate_name(name).map_err(|e| to_py(py, e))
 }
 
+/// The size and xxh3-64 (16 hex digits) of a file, read without mapping it.
+#[pyfunction]
+pub fn file_checksum(py: Python<'_>, path: PathBuf) -> PyResult<(u64, String)> {
+    run(py, || {
+        let (size, digest) = drt_core::format::file_checksum(&path)?;
+        Ok((size, drt_core::format::checksum_hex(digest)))
+    })
+}
+
+type VerifyResult = (u64, u64, u64, Vec<(String, String, Vec<u64>)>);
+
 #[pyclass(name = "Store", module = "dataset_rt._native", frozen)]
 pub struct PyStore {
     inner: Store,
@@ -48,6 +59,48 @@ impl PyStore {
     fn manifest_json(&self, py: Python<'_>, name: &str) -> PyResult<String> {
         let manifest = run(py, || self.inner.manifest(name))?;
         Ok(crate::reader::manifest_to_json(&manifest))
+    }
+
+    /// Verifies cache `name` completely; returns (files checked, samples checked, bytes read,
+    /// problems as (file, message, sample ids)). `progress` receives the bytes read so far.
+    #[pyo3(signature = (name, progress=None))]
+    fn verify(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<VerifyResult> {
+        let dir = run(py, || {
+            self.inner.manifest(name).map(|_| ()).or_else(|e| match e {
+                // A damaged manifest is for the report to describe, not a reason to stop.
+                drt_core::Error::Corrupt { .. } | drt_core::Error::UnsupportedVersion { .. } => {
+                    Ok(())
+                }
+                other => Err(other),
+            })?;
+            self.inner.cache_dir(name)
+        })?;
+        let report = run_interruptible(py, |poll| {
+            drt_core::verify::verify(&dir, |bytes| {
+                poll()?;
+                if let Some(callback) = &progress {
+                    Python::attach(|py| callback.call1(py, (bytes,)).map(|_| ()))
+                        .map_err(|e| drt_core::Error::InvalidArgument(e.to_string()))?;
+                }
+                Ok(())
+            })
+        })?;
+        let problems = report
+            .problems
+            .into_iter()
+            .map(|p| (p.file, p.message, p.sample_ids))
+            .collect();
+        Ok((
+            report.files_checked,
+            report.samples_checked,
+            report.bytes_read,
+            problems,
+        ))
     }
 
     fn open(&self, py: Python<'_>, name: &str) -> PyResult<PyCacheReader> {

@@ -1,0 +1,158 @@
+"""Faults from outside: files that shrink under a running loader, a full disk, dead workers.
+
+Each runs for real in a child process, so that a crash (SIGBUS, a hang) fails the test with
+its exit status instead of taking the test run down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from helpers import python_child
+
+import dataset_rt as drt
+
+TRUNCATE_WHILE_LOADING = """
+import os
+import numpy as np
+import dataset_rt as drt
+from dataset_rt.errors import CacheCorruptError
+
+cache = drt.cache(({{"x": np.full(1000, i, dtype=np.int32)}} for i in range(2000)), "big",
+                  shard_size=256 * 1024, progress=False)
+loader = cache.metadata.drt.loader(batch_size=50, shuffle=False, prefetch=2, collate=list)
+batches = iter(loader)
+first = next(batches)
+assert [int(r["x"][0]) for r in first] == list(range(50))
+for shard in (cache.path / "shards").iterdir():
+    os.truncate(shard, {keep})
+try:
+    for _ in batches:
+        pass
+except CacheCorruptError as exc:
+    print("loader:", exc)
+else:
+    raise SystemExit("the loader read past the truncated end without an error")
+try:
+    cache.get(1999)
+except CacheCorruptError as exc:
+    print("get:", exc)
+else:
+    raise SystemExit("get read past the truncated end without an error")
+"""
+
+
+@pytest.mark.parametrize("keep", [0, 4096])
+def test_a_shard_truncated_under_a_running_loader_is_an_error_not_sigbus(keep: int) -> None:
+    child = python_child(TRUNCATE_WHILE_LOADING.format(keep=keep))
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, f"exit {child.returncode}\n{out}\n{err}"
+    assert "loader:" in out and "shrank while it was mapped" in out
+    assert "get:" in out
+
+
+FULL_DISK_BUILD = """
+import os, resource, signal
+import numpy as np
+import dataset_rt as drt
+from dataset_rt.errors import CacheIOError
+
+# Files may not grow past 1 MiB: every write beyond fails with EFBIG, as on a full disk.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    drt.cache((np.zeros(10_000) for _ in range(400)), "full", progress=False)
+except CacheIOError as exc:
+    print("errno", exc.errno, exc.filename)
+else:
+    raise SystemExit("a build larger than the disk succeeded")
+"""
+
+
+def test_a_full_disk_during_a_build_leaves_nothing_and_a_retry_works() -> None:
+    child = python_child(FULL_DISK_BUILD)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, f"{out}\n{err}"
+    assert f"errno {27}" in out  # EFBIG, with the file that could not grow
+    root = drt.default_root()
+    left = [p.name for p in root.iterdir() if not p.name.endswith(".lock")]
+    assert left == [], left  # no cache, no build directory
+    assert len(drt.cache((np.zeros(10) for _ in range(4)), "full", progress=False)) == 4
+
+
+FULL_DISK_SAVE = """
+import resource, signal
+import numpy as np
+import polars as pl
+import dataset_rt as drt
+from dataset_rt.errors import CacheIOError
+
+cache = drt.open("meta")
+rng = np.random.default_rng(0)
+bigger = cache.metadata.with_columns(noise=pl.Series(rng.random(cache.metadata.height)))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+try:
+    cache.save_metadata(bigger)
+except CacheIOError as exc:
+    print("errno", exc.errno)
+else:
+    raise SystemExit("a save larger than the disk succeeded")
+"""
+
+
+def test_a_full_disk_during_a_metadata_save_keeps_the_live_version() -> None:
+    cache = drt.cache(range(200_000), "meta", progress=False)
+    manifest = (cache.path / "manifest.json").read_text()
+    listing = sorted(os.listdir(cache.path / "metadata"))
+    limit = (cache.path / "metadata" / "v00001.parquet").stat().st_size + 4096
+    child = python_child(FULL_DISK_SAVE.format(limit=limit))
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, f"{out}\n{err}"
+    assert "errno 27" in out
+    assert (cache.path / "manifest.json").read_text() == manifest
+    assert sorted(os.listdir(cache.path / "metadata")) == listing  # no temporary file left
+    assert drt.open("meta").metadata_version == 1
+    assert drt.open("meta").verify(progress=False).ok
+
+
+KILL_A_WORKER = """
+import json, multiprocessing, os, signal, threading
+import numpy as np
+import dataset_rt as drt
+
+cache = drt.open("workers")
+loader = cache.metadata.drt.loader(batch_size=8, seed=0, num_workers=2, prefetch=1)
+threads_before = len(os.listdir("/proc/self/task"))
+batches = iter(loader)
+next(batches)
+workers = multiprocessing.active_children()
+assert workers, "no worker processes found"
+os.kill(workers[0].pid, signal.SIGKILL)
+try:
+    for _ in batches:
+        pass
+except RuntimeError as exc:
+    message = str(exc)
+else:
+    raise SystemExit("the loader finished although a worker was killed")
+del batches
+import gc; gc.collect()
+alive = [p.pid for p in multiprocessing.active_children()]
+print(json.dumps({"message": message, "alive": alive,
+                  "threads": len(os.listdir("/proc/self/task")) - threads_before}))
+"""
+
+
+def test_a_killed_worker_is_a_clear_error_without_hang_or_leaks() -> None:
+    drt.cache(({"x": np.full(4, i)} for i in range(5000)), "workers", progress=False)
+    child = python_child(KILL_A_WORKER)
+    out, err = child.communicate(timeout=180)
+    assert child.returncode == 0, f"{out}\n{err}"
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "worker" in result["message"] and "exited unexpectedly" in result["message"]
+    assert result["alive"] == []  # the other worker was shut down too
+    assert result["threads"] <= 0, result
