@@ -1,11 +1,13 @@
-"""The ``dataset-rt`` command line: ``ls``, ``info NAME``, ``demo``.
+"""The ``dataset-rt`` command line: ``ls``, ``info``, ``verify``, ``bench``, ``demo``.
 
-Exit codes: 0 success, 1 a dataset_rt error (missing or damaged cache, bad name), 2 bad usage.
+Exit codes: 0 success, 1 a dataset_rt error (missing or unreadable cache, bad name), 2 bad
+usage, 3 ``verify`` found damage.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -36,7 +38,8 @@ def _info(args: argparse.Namespace) -> None:
     print(f"size        {format_bytes(c.nbytes)} in {c.num_shards} shard(s)")
     print(f"serializer  {c.serializer}")
     print(f"created     {c.created_at:%Y-%m-%d %H:%M:%S} UTC")
-    print(f"metadata    version {c.metadata_version}")
+    versions = c.metadata_versions()["version"].to_list()
+    print(f"metadata    version {c.metadata_version} (saved: {', '.join(map(str, versions))})")
     frame = c.metadata
     summary = pl.DataFrame(
         {
@@ -50,6 +53,42 @@ def _info(args: argparse.Namespace) -> None:
         print(summary)
 
 
+EXIT_DAMAGED = 3
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from dataset_rt.verify import verify
+
+    report = verify(args.name, root=args.root, progress=not args.quiet)
+    print(report)
+    return 0 if report.ok else EXIT_DAMAGED
+
+
+def _workers(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of counts: {text!r}"
+        ) from None
+    if any(c < 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"worker counts must be >= 0: {text!r}")
+    return counts
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from dataset_rt.bench import bench, describe
+
+    result = bench(
+        args.name,
+        root=args.root,
+        samples=args.samples,
+        batch_size=args.batch_size,
+        workers=args.workers,
+    )
+    print(describe(result))
+
+
 def _demo(args: argparse.Namespace) -> None:
     from dataset_rt.demo import run
 
@@ -60,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataset-rt",
         description="Inspect and manage dataset_rt caches.",
-        epilog="The root defaults to $DATASET_RT_HOME, else ~/.cache/dataset_rt.",
+        epilog="The root defaults to $DATASET_RT_HOME, else ~/.cache/dataset_rt. Exit codes: "
+        "0 success, 1 error, 2 bad usage, 3 verify found damage.",
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", help="directory holding the caches")
@@ -71,6 +111,24 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", parents=[common], help="describe one cache")
     p.add_argument("name", help="the cache's name")
     p.set_defaults(func=_info)
+    p = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="read every byte of a cache and report damage (exit code 3 if any)",
+    )
+    p.add_argument("name", help="the cache's name")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    p.set_defaults(func=_verify)
+    p = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="measure raw reads, decoding and the loader on a cache; name the bottleneck",
+    )
+    p.add_argument("name", help="the cache's name")
+    p.add_argument("--samples", type=int, default=20_000, help="draws per pass (20000)")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per batch (64)")
+    p.add_argument("--workers", type=_workers, default=[0, 2], help="worker counts to try (0,2)")
+    p.set_defaults(func=_bench)
     p = sub.add_parser(
         "demo", parents=[common], help="cache scikit-learn's digits and read them back"
     )
@@ -83,11 +141,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except DatasetRTError as exc:
         print(f"dataset-rt: error: {exc}", file=sys.stderr)
         return 1
-    return 0
+    except BrokenPipeError:
+        # The reader of our output went away (`dataset-rt info x | head`): not an error.
+        # Point stdout at /dev/null so that flushing it at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return int(code or 0)
 
 
 if __name__ == "__main__":

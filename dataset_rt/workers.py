@@ -37,7 +37,10 @@ class _WorkerStream(tud.IterableDataset[Any]):
         info = tud.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         for batch in self.spec.stream(self.schedule, self.epoch, worker, workers):
-            yield assemble(batch, self.spec)
+            times = [0.0, 0.0, 0.0]
+            out = assemble(batch, self.spec, times)
+            # The counters travel with the batch, for the main process's loader.stats().
+            yield out, len(batch), batch.nbytes, times
 
 
 def _context() -> Any:

@@ -45,3 +45,11 @@ def python_child(code: str, env: dict[str, str] | None = None) -> subprocess.Pop
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def slow_identity(x: Any) -> Any:
+    """A transform that takes a known time (1 ms), for the loaders' stage counters."""
+    import time
+
+    time.sleep(0.001)
+    return x

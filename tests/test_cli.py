@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dataset_rt as drt
@@ -41,7 +43,7 @@ def test_root_option_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_console_script_help_for_each_command() -> None:
     exe = Path(sys.executable).parent / "dataset-rt"
-    for args in ([], ["ls"], ["info"], ["demo"]):
+    for args in ([], ["ls"], ["info"], ["verify"], ["bench"], ["demo"]):
         result = subprocess.run(
             [str(exe), *args, "--help"], capture_output=True, text=True, check=False
         )
@@ -62,3 +64,25 @@ def test_demo_caches_real_digits_and_reads_them_back(capsys: pytest.CaptureFixtu
     # The second run reuses the cache instead of rebuilding it.
     assert main(["demo"]) == 0
     assert drt.open("sklearn-digits-v1").cache_id == digits.cache_id
+
+
+def test_bench_measures_each_stage_and_names_a_bottleneck(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    drt.cache(({"x": np.arange(64)} for _ in range(2000)), "to-bench", progress=False)
+    assert main(["bench", "to-bench", "--samples", "2000", "--workers", "0,1"]) == 0
+    out = capsys.readouterr().out
+    for stage in ("raw reads", "reads + decode", "loader, 0 workers", "loader, 1 workers"):
+        assert stage in out
+    assert re.search(r"bottleneck: (I/O|decode|collate)\.", out)
+    assert "read 2,000 samples" in out
+    with pytest.raises(SystemExit) as usage:
+        main(["bench", "to-bench", "--workers", "x"])
+    assert usage.value.code == 2
+
+
+def test_info_lists_metadata_versions(capsys: pytest.CaptureFixture[str]) -> None:
+    c = drt.cache(range(10), "versions", progress=False)
+    c.save_metadata(c.metadata.head(5))
+    assert main(["info", "versions"]) == 0
+    assert "version 2 (saved: 1, 2)" in capsys.readouterr().out

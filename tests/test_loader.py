@@ -13,7 +13,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from helpers import python_child
+from helpers import python_child, slow_identity
 
 import dataset_rt as drt
 from dataset_rt.errors import (
@@ -145,6 +145,26 @@ def test_workers_yield_the_same_stream(cache: drt.Cache, num_workers: int) -> No
     with_workers = frame.drt.loader(batch_size=16, seed=2, num_workers=num_workers)
     assert ids_of(list(with_workers)) == reference
     assert len(with_workers) == len(reference) // 16 + 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stats_count_samples_bytes_and_where_time_went(cache: drt.Cache, num_workers: int) -> None:
+    frame = cache.metadata
+    loader = frame.drt.loader(
+        batch_size=16, seed=0, num_samples=96, transform=slow_identity, num_workers=num_workers
+    )
+    assert loader.stats().samples == 0
+    batches = list(loader)
+    stats = loader.stats()
+    assert stats.batches == len(batches) == 6
+    assert stats.samples == 96
+    drawn = frame.drt.epoch(seed=0, epoch=0, num_samples=96)["sample_id"].to_list()
+    assert stats.bytes_read == sum(len(cache.get_bytes(i)) for i in drawn)
+    assert stats.transform_seconds >= 96 * 0.001  # summed over workers
+    assert stats.decode_seconds > 0 and stats.collate_seconds > 0 and stats.wait_seconds > 0
+    assert "96 samples" in str(stats)
+    list(loader)  # counters keep running over epochs
+    assert loader.stats().samples == 192
 
 
 def test_resume_mid_epoch_in_o1_and_in_a_new_process(cache: drt.Cache, tmp_path: Path) -> None:
