@@ -56,7 +56,9 @@ def resolve_serializer(spec: SerializerSpec) -> tuple[str, Serializer]:
         dill = _import_dill()
 
         def dill_dumps(record: Any) -> bytes:
-            return dill.dumps(record, protocol=PICKLE_PROTOCOL)  # type: ignore[no-any-return]
+            # recurse=True stores only the globals a function uses, not its whole module
+            # namespace (which may hold unpicklable objects, and would bloat every record).
+            return dill.dumps(record, protocol=PICKLE_PROTOCOL, recurse=True)  # type: ignore[no-any-return]
 
         return "dill", dill_dumps
     if callable(spec):
