@@ -76,7 +76,9 @@ def cache(
         stored in the metadata table. Every record must give the same keys, each with one
         type. A ``weight`` key sets the initial sampling weight (default 1.0).
     serializer
-        ``"pickle"`` (protocol 5, the default), ``"dill"``, or a callable returning bytes.
+        ``"pickle"`` (protocol 5 with large arrays stored out of band and aligned, so that
+        they decode as views; the default), ``"pickle-inband"`` (plain ``pickle.dumps``),
+        ``"dill"``, or a callable returning bytes.
     decode
         The decoder for a custom ``serializer``; pickle and dill caches know theirs.
     overwrite

@@ -25,7 +25,7 @@ from dataset_rt.errors import (
 )
 from dataset_rt.metadata import checked_edit
 from dataset_rt.progress import format_bytes
-from dataset_rt.serialize import Decoder, decoder_for
+from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for
 
 if TYPE_CHECKING:
     from dataset_rt.verify import VerifyReport
@@ -136,7 +136,14 @@ class Cache:
         """
         return self._reader.get_bytes(_as_sample_id(sample_id), verify)
 
-    def get(self, sample_id: int, *, decode: Decoder | None = None, verify: bool = False) -> Any:
+    def get(
+        self,
+        sample_id: int,
+        *,
+        decode: Decoder | None = None,
+        verify: bool = False,
+        copy: bool = False,
+    ) -> Any:
         """One record, decoded.
 
         Parameters
@@ -145,19 +152,30 @@ class Cache:
             The record's position in the source, ``0 <= sample_id < len(cache)``.
         decode
             Overrides the decoder; by default the one matching the cache's serializer
-            (``pickle.loads`` for pickle), or the ``decode`` given when opening.
+            (:func:`dataset_rt.serialize.loads` for pickle), or the ``decode`` given when
+            opening.
         verify
             Check the record's checksum before decoding.
+        copy
+            Give NumPy arrays stored out of band their own writable memory; by default they
+            are read-only views of the record's bytes, which they keep alive.
         """
         decoder = decode if decode is not None else self._decode
+        if copy and isinstance(decoder, PickleDecoder):
+            decoder = PickleDecoder(copy=True)
         if decoder is None:
             raise SerializationError(
                 f"cache {self.name!r} was written with the serializer {self.serializer}; "
                 "pass decode=<function from bytes to record> to get() or to open()"
             )
-        data = self.get_bytes(sample_id, verify=verify)
+        data: bytes | memoryview
+        if isinstance(decoder, PickleDecoder):
+            # An aligned copy of the record, so that arrays decode as aligned views of it.
+            data = self._reader.get_batch(_as_sample_id(sample_id), verify).views()[0]
+        else:
+            data = self.get_bytes(sample_id, verify=verify)
         try:
-            return decoder(data)
+            return decoder(data)  # type: ignore[arg-type]  # PickleDecoder takes views too
         except Exception as exc:
             raise SerializationError(
                 f"decoding sample_id {sample_id} of cache {self.name!r} failed: {exc!r}"

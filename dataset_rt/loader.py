@@ -27,7 +27,7 @@ from dataset_rt.errors import (
     TransformError,
 )
 from dataset_rt.metadata import check_weights
-from dataset_rt.serialize import Decoder
+from dataset_rt.serialize import Decoder, PickleDecoder
 
 __all__ = ["Loader", "LoaderSpec", "LoaderStats", "assemble"]
 
@@ -47,8 +47,8 @@ def _check_int(name: str, value: object, minimum: int, maximum: int | None = Non
 
 def _default_collate() -> Collate:
     try:
-        from torch.utils.data import default_collate
-    except ImportError:
+        from dataset_rt.collate import default_collate
+    except ImportError:  # no PyTorch (or no NumPy): batches are lists of records
         return list
     return default_collate
 
@@ -122,6 +122,8 @@ class LoaderSpec:
     seed: int
     depth: int
     verify: bool
+    views: bool = False
+    """Decoders take ``memoryview``s of the batch buffer (zero-copy) instead of ``bytes``."""
 
     def stream(
         self, schedule: _native.Schedule, epoch: int, first: int, step: int
@@ -173,7 +175,7 @@ def assemble(batch: _native.Batch, spec: LoaderSpec, times: list[float] | None =
     to its first three items.
     """
     start = time.perf_counter()
-    payloads = batch.records()
+    payloads = batch.views() if spec.views else batch.records()
     if len(spec.decoders) == 1:
         records = _apply(spec.decoders[0], payloads, spec, batch, "decode")
     else:
@@ -252,6 +254,7 @@ class Loader:
         world_size: int | None = None,
         root: PathLike | None = None,
         verify: bool = False,
+        copy: bool = False,
     ) -> None:
         self._batch_size = _check_int("batch_size", batch_size, 1)
         self._num_workers = _check_int("num_workers", num_workers, 0)
@@ -284,7 +287,8 @@ class Loader:
 
         if collate is None:
             collate = _default_collate()
-        decoders = tuple(self._decoder(c, decode) for c in caches)
+        decoders = tuple(self._decoder(c, decode, bool(copy)) for c in caches)
+        views = all(isinstance(d, PickleDecoder) for d in decoders)
         if self._num_workers > 0:
             decoders = tuple(_portable("decode", d) for d in decoders)
             transform = _portable("transform", transform) if transform is not None else None
@@ -307,6 +311,7 @@ class Loader:
             seed=seed,
             depth=prefetch,
             verify=bool(verify),
+            views=views,
         )
         self._epoch = 0
         self._cursor = 0
@@ -375,9 +380,11 @@ class Loader:
         return caches, pl.DataFrame(columns)
 
     @staticmethod
-    def _decoder(cache: Cache, decode: Decoder | None) -> Decoder:
+    def _decoder(cache: Cache, decode: Decoder | None, copy: bool) -> Decoder:
         if decode is not None:
             return decode
+        if isinstance(cache.decoder, PickleDecoder):
+            return PickleDecoder(copy=copy)
         if cache.decoder is None:
             raise SerializationError(
                 f"cache {cache.name!r} was written with the serializer {cache.serializer}; "

@@ -125,6 +125,7 @@ class _FrameMethods:
         world_size: int | None = None,
         root: PathLike | None = None,
         verify: bool = False,
+        copy: bool = False,
     ) -> Loader:
         """A training loader over this frame's rows.
 
@@ -160,6 +161,10 @@ class _FrameMethods:
             Where to look for caches this process has not opened yet.
         verify
             Check every record against its stored checksum.
+        copy
+            Give decoded NumPy arrays their own writable memory. By default (caches written
+            with ``serializer="pickle"``) they are read-only views of the batch's buffer,
+            and the default collate stacks them into the batch tensor in one copy.
         """
         return Loader(
             self._frame,
@@ -177,6 +182,7 @@ class _FrameMethods:
             world_size=world_size,
             root=root,
             verify=verify,
+            copy=copy,
         )
 
     def epoch(

@@ -1,16 +1,43 @@
-"""How records become bytes and back: pickle (protocol 5), dill, or your own functions."""
+r"""How records become bytes and back: pickle (protocol 5), dill, or your own functions.
+
+The default serializer, ``"pickle"``, keeps large buffers (contiguous NumPy arrays,
+``memoryview``, ``pickle.PickleBuffer``) out of the pickle stream; ``bytes`` and
+``bytearray`` stay in it, since decoding must give them memory of their own anyway. A
+record that holds any large buffer is stored as::
+
+    b"DRTOOB01"  u64 buffer count n  u64 pickle length
+    n x (u64 offset, u64 length)           offsets from the record's first byte
+    the pickle stream (protocol 5, with NEXT_BUFFER opcodes)
+    buffer 0, buffer 1, ...                each at an offset that is a multiple of 64
+
+Records start 64-byte aligned in shards and in loader batches, so every buffer is 64-byte
+aligned in memory, and :func:`loads` hands it to the unpickler as a read-only view: a
+NumPy array comes back as a view of the record's bytes instead of a copy of them. A record
+without large buffers is the plain pickle stream (it starts with ``b"\x80\x05"``).
+"""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import io
 import pickle
+import struct
 from collections.abc import Callable
 from typing import Any, Literal
 
 from dataset_rt.errors import ArgumentError, SerializationError
 
-__all__ = ["Decoder", "Serializer", "SerializerSpec", "decoder_for", "resolve_serializer"]
+__all__ = [
+    "Decoder",
+    "PickleDecoder",
+    "Serializer",
+    "SerializerSpec",
+    "decoder_for",
+    "dumps",
+    "loads",
+    "resolve_serializer",
+]
 
 Serializer = Callable[[Any], bytes | bytearray | memoryview]
 """A function turning one record into its bytes."""
@@ -18,14 +45,133 @@ Serializer = Callable[[Any], bytes | bytearray | memoryview]
 Decoder = Callable[[bytes], Any]
 """A function turning a record's bytes (a ``bytes`` object) back into the record."""
 
-SerializerSpec = Literal["pickle", "dill"] | Serializer
-"""``"pickle"``, ``"dill"``, or a function returning bytes."""
+SerializerSpec = Literal["pickle", "pickle-inband", "dill"] | Serializer
+"""``"pickle"`` (out-of-band buffers), ``"pickle-inband"``, ``"dill"``, or a function."""
 
 PICKLE_PROTOCOL = 5
 
 
 # A C-level partial: no Python frame per record.
 _pickle_dumps: Serializer = functools.partial(pickle.dumps, protocol=PICKLE_PROTOCOL)
+
+MAGIC = b"DRTOOB01"
+_HEAD = struct.Struct("<8sQQ")
+_SPAN = struct.Struct("<QQ")
+ALIGN = 64
+"""Alignment of out-of-band buffers within a record (and of records in shards and batches)."""
+MIN_OUT_OF_BAND = 1024
+"""Buffers smaller than this stay in the pickle stream: a view would cost more than a copy."""
+
+
+class _ViewPickler(pickle.Pickler):
+    """A pickler that also accepts ``memoryview`` objects, as out-of-band buffers."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is memoryview:
+            return memoryview, (pickle.PickleBuffer(obj),)
+        return NotImplemented
+
+
+def dumps(record: Any) -> bytes:
+    """Serializes ``record`` with pickle protocol 5, large buffers out of band and aligned.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from dataset_rt.serialize import dumps, loads
+    >>> data = dumps({"image": np.arange(4096, dtype=np.float32), "label": 3})
+    >>> back = loads(data)
+    >>> back["image"].flags.writeable, float(back["image"][-1]), back["label"]
+    (False, 4095.0, 3)
+    """
+    buffers: list[memoryview] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        try:
+            raw = buffer.raw()
+        except BufferError:  # not contiguous: stays in band
+            return True
+        if raw.nbytes < MIN_OUT_OF_BAND:
+            return True
+        buffers.append(raw)
+        return False
+
+    try:
+        body = pickle.dumps(record, protocol=PICKLE_PROTOCOL, buffer_callback=out_of_band)
+    except TypeError as exc:
+        if "memoryview" not in str(exc):
+            raise
+        # pickle refuses memoryview objects; the slower pickler below stores them as
+        # buffers (only records that hold one pay for it).
+        buffers.clear()
+        stream = io.BytesIO()
+        _ViewPickler(stream, protocol=PICKLE_PROTOCOL, buffer_callback=out_of_band).dump(record)
+        body = stream.getvalue()
+    if not buffers:
+        return body
+    position = _HEAD.size + _SPAN.size * len(buffers) + len(body)
+    spans = []
+    tail: list[bytes | memoryview] = []
+    for raw in buffers:
+        pad = -position % ALIGN
+        if pad:
+            tail.append(bytes(pad))
+            position += pad
+        spans.append(_SPAN.pack(position, raw.nbytes))
+        tail.append(raw)
+        position += raw.nbytes
+    return b"".join([_HEAD.pack(MAGIC, len(buffers), len(body)), *spans, body, *tail])
+
+
+def loads(data: bytes | memoryview, *, copy: bool = False) -> Any:
+    """Decodes a record written by :func:`dumps` (or any plain pickle).
+
+    Out-of-band buffers become read-only views of ``data`` (NumPy arrays are views, not
+    copies); they keep ``data`` alive for as long as they exist. ``copy=True`` gives each
+    buffer its own writable memory instead.
+    """
+    if data[:8] != MAGIC:
+        return pickle.loads(data)
+    view = memoryview(data)
+    short = pickle.UnpicklingError("record is shorter than its out-of-band header says")
+    if view.nbytes < _HEAD.size:
+        raise short
+    _, count, length = _HEAD.unpack_from(view)
+    start = _HEAD.size + _SPAN.size * count
+    if start + length > view.nbytes:
+        raise short
+    spans = [_SPAN.unpack_from(view, _HEAD.size + _SPAN.size * i) for i in range(count)]
+    if any(o + n > view.nbytes for o, n in spans):
+        raise short
+    if copy:
+        buffers: list[Any] = [bytearray(view[o : o + n]) for o, n in spans]
+    else:
+        buffers = [view[o : o + n] for o, n in spans]
+    return pickle.loads(view[start : start + length], buffers=buffers)
+
+
+class PickleDecoder:
+    """The decoder of caches written with ``serializer="pickle"``: :func:`loads`.
+
+    Loaders hand it each record as a ``memoryview`` of their batch's buffer, so that arrays
+    come back as views of that buffer without a copy.
+    """
+
+    def __init__(self, *, copy: bool = False) -> None:
+        self.copy = copy
+
+    def __call__(self, data: bytes | memoryview) -> Any:
+        """Decodes one record with :func:`loads`."""
+        return loads(data, copy=self.copy)
+
+    def __repr__(self) -> str:
+        return f"PickleDecoder(copy={self.copy})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PickleDecoder) and other.copy == self.copy
+
+    def __hash__(self) -> int:
+        return hash((PickleDecoder, self.copy))
 
 
 def _import_dill() -> Any:
@@ -43,7 +189,8 @@ def resolve_serializer(spec: SerializerSpec) -> tuple[str, Serializer]:
     Parameters
     ----------
     spec
-        ``"pickle"`` (protocol 5), ``"dill"``, or a callable returning bytes.
+        ``"pickle"`` (protocol 5, large buffers out of band), ``"pickle-inband"`` (plain
+        ``pickle.dumps``), ``"dill"``, or a callable returning bytes.
 
     Returns
     -------
@@ -51,6 +198,8 @@ def resolve_serializer(spec: SerializerSpec) -> tuple[str, Serializer]:
         ``(name, serialize)``; custom callables are recorded as ``custom:<module>.<name>``.
     """
     if spec == "pickle":
+        return "pickle-oob", dumps
+    if spec == "pickle-inband":
         return "pickle", _pickle_dumps
     if spec == "dill":
         dill = _import_dill()
@@ -66,12 +215,19 @@ def resolve_serializer(spec: SerializerSpec) -> tuple[str, Serializer]:
         qualname = getattr(spec, "__qualname__", None) or type(spec).__name__
         return f"custom:{module}.{qualname}", spec
     raise ArgumentError(
-        f"serializer must be 'pickle', 'dill' or a callable returning bytes, got {spec!r}"
+        "serializer must be 'pickle', 'pickle-inband', 'dill' or a callable returning bytes, "
+        f"got {spec!r}"
     )
 
 
-def decoder_for(serializer: str) -> Decoder | None:
-    """The decoder matching a cache's recorded serializer, or None for custom serializers."""
+def decoder_for(serializer: str, *, copy: bool = False) -> Decoder | None:
+    """The decoder matching a cache's recorded serializer, or None for custom serializers.
+
+    ``copy`` applies to out-of-band buffers (``"pickle-oob"``): writable private arrays
+    instead of read-only views.
+    """
+    if serializer == "pickle-oob":
+        return PickleDecoder(copy=copy)
     if serializer == "pickle":
         return pickle.loads
     if serializer == "dill":

@@ -20,8 +20,9 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
             ["loader.py", "--records", "2000", "--draws", "2000", "--rounds", "1", "--smoke"],
             ["P1 ", "P2 ", "P7 ", "P3 ", "P5 ", "sampler for"],
         ),
+        (["serialize.py", "--smoke"], ["bare copy", "zero-copy (default)", "pickle in band"]),
     ],
-    ids=["build", "metadata", "loader"],
+    ids=["build", "metadata", "loader", "serialize"],
 )
 def test_benchmark_runs_and_prints_its_table(args: list[str], expected: list[str]) -> None:
     result = subprocess.run(

@@ -22,17 +22,57 @@ use crate::schedule::Schedule;
 pub struct Batch {
     /// The batch's number among this rank's batches (counted from the schedule's cursor).
     pub number: u64,
-    /// The records' bytes.
+    /// The records' bytes, each starting at an address that is a multiple of
+    /// [`BATCH_ALIGN`] (zero padding between them).
     pub data: Vec<u8>,
-    /// Record `i` is `data[offsets[i]..offsets[i + 1]]`.
-    pub offsets: Vec<u64>,
+    /// Record `i` is `data[starts[i]..ends[i]]`.
+    pub starts: Vec<u64>,
+    /// See `starts`.
+    pub ends: Vec<u64>,
     /// Each record's cache (an index into the loader's list of caches).
     pub caches: Vec<u32>,
     /// Each record's sample id within its cache.
     pub sample_ids: Vec<u64>,
 }
 
+/// Records start at addresses that are multiples of this within a batch's buffer, so that
+/// arrays viewed in place there are aligned as they were in the shard.
+pub const BATCH_ALIGN: usize = 64;
+
 impl Batch {
+    /// The bytes of record `i`.
+    pub fn record(&self, i: usize) -> &[u8] {
+        &self.data[self.starts[i] as usize..self.ends[i] as usize]
+    }
+
+    /// The records' total length, padding excluded.
+    pub fn payload_len(&self) -> u64 {
+        self.starts.iter().zip(&self.ends).map(|(s, e)| e - s).sum()
+    }
+
+    /// Copies `records` (of total length `total`) into the batch's buffer, each at a
+    /// [`BATCH_ALIGN`]-aligned address.
+    pub fn fill(&mut self, records: &[&[u8]], total: usize) {
+        // Room for every record and its worst-case padding, so the buffer never moves
+        // while it is filled and the addresses computed from `base` stay true.
+        self.data
+            .reserve_exact(total + (records.len() + 1) * (BATCH_ALIGN - 1));
+        self.starts.reserve_exact(records.len());
+        self.ends.reserve_exact(records.len());
+        let base = self.data.as_ptr() as usize;
+        for record in records {
+            let misalign = (base + self.data.len()) % BATCH_ALIGN;
+            if misalign != 0 {
+                self.data
+                    .resize(self.data.len() + BATCH_ALIGN - misalign, 0);
+            }
+            self.starts.push(self.data.len() as u64);
+            self.data.extend_from_slice(record);
+            self.ends.push(self.data.len() as u64);
+        }
+        debug_assert_eq!(self.data.as_ptr() as usize, base, "the batch buffer moved");
+    }
+
     /// Number of records.
     pub fn len(&self) -> usize {
         self.sample_ids.len()
@@ -100,13 +140,7 @@ impl Source {
             total += record.len();
             records.push(record);
         }
-        batch.data.reserve_exact(total);
-        batch.offsets.reserve_exact(records.len() + 1);
-        batch.offsets.push(0);
-        for record in records {
-            batch.data.extend_from_slice(record);
-            batch.offsets.push(batch.data.len() as u64);
-        }
+        batch.fill(&records, total);
         Ok(batch)
     }
 }
@@ -227,10 +261,13 @@ mod tests {
     }
 
     fn records(batch: &Batch) -> Vec<String> {
-        batch
-            .offsets
-            .windows(2)
-            .map(|w| String::from_utf8(batch.data[w[0] as usize..w[1] as usize].to_vec()).unwrap())
+        (0..batch.len())
+            .map(|i| {
+                let record = batch.record(i);
+                let address = record.as_ptr() as usize;
+                assert_eq!(address % BATCH_ALIGN, 0, "record {i} is not aligned");
+                String::from_utf8(record.to_vec()).unwrap()
+            })
             .collect()
     }
 

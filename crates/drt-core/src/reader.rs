@@ -129,13 +129,35 @@ impl CacheReader {
     /// A copy of record `sample_id`'s bytes, checked against its checksum if `verify`. A
     /// shard truncated under the mapping yields an error instead of SIGBUS.
     pub fn copy_record(&self, sample_id: u64, verify: bool) -> Result<Vec<u8>> {
+        self.guarded_record(sample_id, verify, <[u8]>::to_vec)
+    }
+
+    /// Record `sample_id` copied into a one-record batch, at an aligned address.
+    pub fn record_batch(&self, sample_id: u64, verify: bool) -> Result<crate::prefetch::Batch> {
+        self.guarded_record(sample_id, verify, |bytes| {
+            let mut batch = crate::prefetch::Batch {
+                caches: vec![0],
+                sample_ids: vec![sample_id],
+                ..Default::default()
+            };
+            batch.fill(&[bytes], bytes.len());
+            batch
+        })
+    }
+
+    fn guarded_record<T>(
+        &self,
+        sample_id: u64,
+        verify: bool,
+        copy: impl FnOnce(&[u8]) -> T,
+    ) -> Result<T> {
         let (result, faulted) = crate::sigbus::guarded(|| {
             let bytes = if verify {
                 self.record_verified(sample_id)?
             } else {
                 self.record(sample_id)?
             };
-            Ok(bytes.to_vec())
+            Ok(copy(bytes))
         });
         if faulted {
             self.poison();

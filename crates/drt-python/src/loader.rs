@@ -116,6 +116,12 @@ pub struct PyBatch {
     inner: Batch,
 }
 
+impl From<Batch> for PyBatch {
+    fn from(inner: Batch) -> Self {
+        Self { inner }
+    }
+}
+
 #[pymethods]
 impl PyBatch {
     /// Exposes the records' bytes as one read-only buffer (`memoryview(batch)`).
@@ -155,24 +161,45 @@ impl PyBatch {
         self.inner.number
     }
 
+    /// The records' total length in bytes (the buffer also holds alignment padding).
     #[getter]
-    fn nbytes(&self) -> usize {
-        self.inner.data.len()
+    fn nbytes(&self) -> u64 {
+        self.inner.payload_len()
     }
 
     /// The records as a list of `bytes`, one Python object each.
     fn records<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let batch = &self.inner;
-        let records = batch
-            .offsets
-            .windows(2)
-            .map(|w| PyBytes::new(py, &batch.data[w[0] as usize..w[1] as usize]));
-        PyList::new(py, records)
+        PyList::new(
+            py,
+            (0..batch.len()).map(|i| PyBytes::new(py, batch.record(i))),
+        )
     }
 
+    /// The records as read-only `memoryview`s of the batch's buffer, without copying; each
+    /// starts at a 64-byte aligned address and keeps the batch alive.
+    fn views<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+        let py = slf.py();
+        let whole = pyo3::types::PyMemoryView::from(slf.as_any())?;
+        let batch = &slf.get().inner;
+        let mut views = Vec::with_capacity(batch.len());
+        for (&start, &end) in batch.starts.iter().zip(&batch.ends) {
+            let slice = pyo3::types::PySlice::new(py, start as isize, end as isize, 1);
+            views.push(whole.get_item(slice)?);
+        }
+        PyList::new(py, views)
+    }
+
+    /// Where each record starts in the buffer.
     #[getter]
-    fn offsets(&self) -> Vec<u64> {
-        self.inner.offsets.clone()
+    fn starts(&self) -> Vec<u64> {
+        self.inner.starts.clone()
+    }
+
+    /// Where each record ends in the buffer.
+    #[getter]
+    fn ends(&self) -> Vec<u64> {
+        self.inner.ends.clone()
     }
 
     #[getter]

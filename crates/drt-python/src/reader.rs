@@ -5,6 +5,8 @@ use std::sync::Arc;
 use drt_core::format::Manifest;
 use drt_core::reader::CacheReader;
 use pyo3::prelude::*;
+
+use crate::loader::PyBatch;
 use pyo3::types::PyBytes;
 
 use crate::errors::to_py;
@@ -42,6 +44,16 @@ impl PyCacheReader {
 
     fn __len__(&self) -> usize {
         self.inner.len() as usize
+    }
+
+    /// One record copied into a one-record `Batch` whose buffer starts 64-byte aligned, for
+    /// decoding arrays as views (`batch.views()[0]`).
+    #[pyo3(signature = (sample_id, verify = false))]
+    fn get_batch(&self, py: Python<'_>, sample_id: u64, verify: bool) -> PyResult<PyBatch> {
+        self.inner
+            .record_batch(sample_id, verify)
+            .map(PyBatch::from)
+            .map_err(|e| to_py(py, e))
     }
 
     /// The bytes of one record; `verify=True` checks them against the stored checksum.

@@ -1,0 +1,169 @@
+"""The default serializer: large buffers out of band, aligned, decoded as read-only views."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import warnings
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+import dataset_rt as drt
+from dataset_rt.serialize import MAGIC, dumps, loads
+
+DTYPES = [np.uint8, np.int16, np.int64, np.float32, np.float64, np.complex128, np.bool_]
+
+
+def _arrays() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    out = []
+    for dtype in DTYPES:
+        base = (rng.random((40, 50)) * 100).astype(dtype)
+        out += [base, np.asfortranarray(base), base[:, ::3], base[5]]
+    return out
+
+
+@pytest.mark.parametrize("index", range(len(DTYPES) * 4))
+def test_arrays_of_every_dtype_and_memory_order_round_trip(index: int) -> None:
+    array = _arrays()[index]
+    back = loads(dumps({"a": array}))["a"]
+    assert back.dtype == array.dtype and back.shape == array.shape
+    np.testing.assert_array_equal(back, array)
+    contiguous = array.flags.c_contiguous or array.flags.f_contiguous
+    if contiguous and array.nbytes >= 1024:
+        assert not back.flags.writeable  # a view of the record's bytes
+        assert back.flags.f_contiguous == array.flags.f_contiguous
+    else:
+        assert back.flags.writeable  # non-contiguous or small: in band, its own copy
+
+
+def test_other_buffer_types_round_trip() -> None:
+    big = bytes(range(256)) * 40
+    record = {
+        "bytes": big,
+        "bytearray": bytearray(big),
+        "memoryview": memoryview(big),
+        "picklebuffer": pickle.PickleBuffer(bytearray(big)),
+        "small": memoryview(b"tiny"),
+        "nested": [np.arange(300, dtype=np.int64), (np.zeros((2, 2)), "text")],
+    }
+    data = dumps(record)
+    assert data[:8] == MAGIC
+    back = loads(data)
+    assert back["bytes"] == big and type(back["bytes"]) is bytes
+    assert back["bytearray"] == big and type(back["bytearray"]) is bytearray
+    assert type(back["memoryview"]) is memoryview and back["memoryview"].readonly
+    assert bytes(back["memoryview"]) == big
+    assert bytes(back["picklebuffer"]) == big
+    assert bytes(back["small"]) == b"tiny"
+    np.testing.assert_array_equal(back["nested"][0], np.arange(300))
+    assert back["nested"][1][1] == "text"
+
+
+def test_records_without_large_buffers_are_plain_pickle() -> None:
+    record = {"x": 1, "small": np.arange(10)}
+    data = dumps(record)
+    assert data[:2] == b"\x80\x05"
+    assert pickle.loads(data)["x"] == 1
+
+
+def test_buffers_are_64_byte_aligned_in_cache_reads_and_loader_batches() -> None:
+    records = [
+        {"a": np.full(1000 + 7 * i, i, dtype=np.float64), "b": np.ones(513)} for i in range(50)
+    ]
+    cache = drt.cache(records, "aligned", progress=False)
+    assert cache.serializer == "pickle-oob"
+    for i in (0, 17, 49):
+        got = cache.get(i)
+        assert got["a"].ctypes.data % 64 == 0 and got["b"].ctypes.data % 64 == 0
+        assert not got["a"].flags.writeable and not got["a"].flags.owndata
+    loader = cache.metadata.drt.loader(batch_size=7, seed=0, collate=list)
+    for batch in loader:
+        for record in batch:
+            assert record["a"].ctypes.data % 64 == 0
+            assert record["a"][0] == record["a"][-1]
+            assert not record["a"].flags.writeable
+
+
+def test_copy_gives_writable_private_arrays() -> None:
+    cache = drt.cache([{"a": np.zeros(2000)}], "copies", progress=False)
+    mine = cache.get(0, copy=True)["a"]
+    assert mine.flags.writeable
+    mine[:] = 5
+    assert cache.get(0)["a"].sum() == 0  # the cache is untouched
+    batch = next(iter(cache.metadata.drt.loader(batch_size=1, copy=True, collate=list)))
+    batch[0]["a"][0] = 1.0  # writable
+
+
+def test_views_outlive_the_cache_and_the_loader() -> None:
+    records = [{"a": np.full(4096, i, dtype=np.int32)} for i in range(20)]
+    cache = drt.cache(records, "lifetime", progress=False)
+    from_get = cache.get(3)["a"]
+    loader = cache.metadata.drt.loader(batch_size=20, shuffle=False, collate=list)
+    from_loader = [r["a"] for r in next(iter(loader))]
+    del cache, loader
+    gc.collect()
+    assert (from_get == 3).all()
+    assert [int(a[100]) for a in from_loader] == list(range(20))
+
+
+def test_default_collate_stacks_read_only_arrays_without_warnings() -> None:
+    records = [{"image": np.full((3, 16, 16), i, dtype=np.uint8), "label": i} for i in range(64)]
+    cache = drt.cache(records, "collate", progress=False)
+    frame = cache.metadata
+    for num_workers in (0, 2):
+        loader = frame.drt.loader(batch_size=16, shuffle=False, num_workers=num_workers)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            batches = list(loader)
+        images = torch.cat([b["image"] for b in batches])
+        assert images.dtype == torch.uint8 and images.shape == (64, 3, 16, 16)
+        assert images[:, 0, 0, 0].tolist() == list(range(64))
+        assert torch.cat([b["label"] for b in batches]).tolist() == list(range(64))
+
+
+def test_caches_written_in_band_still_read() -> None:
+    records = [{"a": np.arange(1000) + i} for i in range(10)]
+    cache = drt.cache(records, "inband", serializer="pickle-inband", progress=False)
+    assert cache.serializer == "pickle"
+    assert cache.get_bytes(0)[:2] == b"\x80\x05"
+    got = cache.get(4)["a"]
+    assert got.flags.writeable and got[0] == 4
+    ids = [int(b["a"][0, 0] - 0) for b in cache.metadata.drt.loader(batch_size=1, shuffle=False)]
+    assert ids == list(range(10))
+
+
+def test_custom_decoders_receive_bytes_that_loads_decodes() -> None:
+    cache = drt.cache([{"a": np.arange(2000)}], "custom-decode", progress=False)
+    seen: list[Any] = []
+
+    def decode(data: bytes) -> Any:
+        seen.append(type(data))
+        return loads(data)["a"].sum()
+
+    batch = next(iter(cache.metadata.drt.loader(batch_size=1, decode=decode, collate=list)))
+    assert batch == [np.arange(2000).sum()] and seen == [bytes]
+    assert cache.get(0, decode=decode) == np.arange(2000).sum()
+
+
+def test_damaged_out_of_band_headers_are_errors_not_crashes() -> None:
+    data = bytearray(dumps({"a": np.zeros(5000)}))
+    data[8:16] = (10**6).to_bytes(8, "little")  # a buffer count far past the record
+    with pytest.raises(pickle.UnpicklingError, match="shorter than its out-of-band header"):
+        loads(bytes(data))
+
+
+def test_metadata_is_unchanged_by_the_payload_format() -> None:
+    cache = drt.cache(
+        ({"a": np.zeros(2000), "label": i % 3} for i in range(30)),
+        "meta-oob",
+        metadata=lambda r: {"label": r["label"]},
+        progress=False,
+    )
+    assert cache.metadata.columns == ["cache_id", "sample_id", "label", "weight"]
+    assert cache.metadata.group_by("label").len().sort("label")["len"].to_list() == [10, 10, 10]
+    assert cache.metadata.filter(pl.col("label") == 1).height == 10
