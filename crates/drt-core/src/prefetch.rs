@@ -33,7 +33,62 @@ pub struct Batch {
     pub caches: Vec<u32>,
     /// Each record's sample id within its cache.
     pub sample_ids: Vec<u64>,
+    /// Where `data` goes back when the batch is dropped, for the next batch to reuse.
+    pub recycle: Recycle,
 }
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        if let Some(recycler) = self.recycle.0.take() {
+            recycler.put(std::mem::take(&mut self.data));
+        }
+    }
+}
+
+/// Buffers of dropped batches, kept for the next ones: a fresh multi-megabyte buffer per
+/// batch costs a page fault per 4 KiB page on first touch, which is what bounds a reader
+/// of large records.
+#[derive(Debug, Default)]
+pub struct Recycler {
+    free: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Recycler {
+    /// Most buffers kept: enough for the prefetch queue and the batches being decoded.
+    const KEEP: usize = 16;
+
+    /// An empty buffer with room for at least `capacity` bytes: a recycled one if any fits.
+    pub fn take(&self, capacity: usize) -> Vec<u8> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        match free.iter().position(|b| b.capacity() >= capacity) {
+            Some(i) => free.swap_remove(i),
+            None => {
+                drop(free);
+                Vec::with_capacity(capacity)
+            }
+        }
+    }
+
+    fn put(&self, mut buffer: Vec<u8>) {
+        buffer.clear();
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() < Self::KEEP && buffer.capacity() > 0 {
+            free.push(buffer);
+        }
+    }
+}
+
+/// A batch's link to its [`Recycler`]; batches compare equal whatever their links.
+#[derive(Debug, Default, Clone)]
+pub struct Recycle(pub Option<Arc<Recycler>>);
+
+impl PartialEq for Recycle {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Recycle {}
 
 /// Records start at addresses that are multiples of this within a batch's buffer, so that
 /// arrays viewed in place there are aligned as they were in the shard.
@@ -97,6 +152,8 @@ pub struct Source {
     pub schedule: Schedule,
     /// Check every record against its checksum.
     pub verify: bool,
+    /// Buffers of dropped batches, reused by the next ones.
+    pub recycler: Arc<Recycler>,
 }
 
 impl Source {
@@ -117,10 +174,8 @@ impl Source {
     }
 
     fn read_mapped(&self, number: u64) -> Result<Batch> {
-        let mut batch = Batch {
-            number,
-            ..Batch::default()
-        };
+        let mut batch = Batch::default();
+        batch.number = number;
         for position in self.schedule.batch_positions(number) {
             let (cache, sample_id) = self.plan.sample(self.plan.row_at(self.stream, position));
             batch.caches.push(cache);
@@ -140,6 +195,10 @@ impl Source {
             total += record.len();
             records.push(record);
         }
+        batch.data = self
+            .recycler
+            .take(total + (records.len() + 1) * (BATCH_ALIGN - 1));
+        batch.recycle = Recycle(Some(self.recycler.clone()));
         batch.fill(&records, total);
         Ok(batch)
     }
@@ -257,6 +316,7 @@ mod tests {
             stream: Stream::new(0, 0),
             schedule: Schedule::new(20, 0, 0, 1, batch, false).unwrap(),
             verify: true,
+            recycler: Arc::default(),
         }
     }
 

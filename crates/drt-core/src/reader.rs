@@ -135,11 +135,9 @@ impl CacheReader {
     /// Record `sample_id` copied into a one-record batch, at an aligned address.
     pub fn record_batch(&self, sample_id: u64, verify: bool) -> Result<crate::prefetch::Batch> {
         self.guarded_record(sample_id, verify, |bytes| {
-            let mut batch = crate::prefetch::Batch {
-                caches: vec![0],
-                sample_ids: vec![sample_id],
-                ..Default::default()
-            };
+            let mut batch = crate::prefetch::Batch::default();
+            batch.caches.push(0);
+            batch.sample_ids.push(sample_id);
             batch.fill(&[bytes], bytes.len());
             batch
         })

@@ -261,6 +261,7 @@ impl PyBatchStream {
                 stream: Stream::new(seed, epoch),
                 schedule,
                 verify,
+                recycler: Arc::default(),
             };
             let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
             Prefetcher::start(source, numbers, depth)
