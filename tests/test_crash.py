@@ -145,7 +145,7 @@ def test_concurrent_callers_build_once_and_all_open_it(tmp_path: Path, overwrite
     sync = tmp_path / "sync"
     sync.mkdir()
     env = {"MARKER": str(marker), "SYNC": str(sync), "OVERWRITE": "1" if overwrite else "0"}
-    children = [python_child(CONCURRENT_BUILDER, env) for _ in range(4)]
+    children = [python_child(CONCURRENT_BUILDER, env) for _ in range(8)]
     deadline = time.monotonic() + 120
     while len(list(sync.glob("ready-*"))) < len(children):
         assert time.monotonic() < deadline, "children did not start"

@@ -156,3 +156,27 @@ def test_a_killed_worker_is_a_clear_error_without_hang_or_leaks() -> None:
     assert "worker" in result["message"] and "exited unexpectedly" in result["message"]
     assert result["alive"] == []  # the other worker was shut down too
     assert result["threads"] <= 0, result
+
+
+SAVE_FROM_ANOTHER_PROCESS = """
+import polars as pl
+import dataset_rt as drt
+
+cache = drt.open("running")
+print(cache.save_metadata(cache.metadata.filter(pl.col("sample_id") < 10)))
+"""
+
+
+def test_a_loader_keeps_its_snapshot_while_another_process_saves_metadata() -> None:
+    cache = drt.cache(({"x": np.full(8, i)} for i in range(400)), "running", progress=False)
+    loader = cache.metadata.drt.loader(batch_size=20, shuffle=False, collate=list, prefetch=1)
+    batches = iter(loader)
+    seen = [int(r["x"][0]) for r in next(batches)]
+    child = python_child(SAVE_FROM_ANOTHER_PROCESS)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    assert out.strip() == "2"
+    seen += [int(r["x"][0]) for batch in batches for r in batch]
+    assert seen == list(range(400))  # the running epoch is unaffected
+    fresh = drt.open("running").metadata.drt.loader(batch_size=20, shuffle=False, collate=list)
+    assert [int(r["x"][0]) for batch in fresh for r in batch] == list(range(10))

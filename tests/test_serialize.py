@@ -11,6 +11,8 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import dataset_rt as drt
 from dataset_rt.serialize import MAGIC, dumps, loads
@@ -167,3 +169,25 @@ def test_metadata_is_unchanged_by_the_payload_format() -> None:
     assert cache.metadata.columns == ["cache_id", "sample_id", "label", "weight"]
     assert cache.metadata.group_by("label").len().sort("label")["len"].to_list() == [10, 10, 10]
     assert cache.metadata.filter(pl.col("label") == 1).height == 10
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzzed_records_fail_cleanly_never_crash(data: st.DataObject) -> None:
+    """Damaged out-of-band headers and streams raise an exception; they never crash or read
+    outside the record."""
+    record = bytearray(dumps({"a": np.arange(600, dtype=np.float64), "b": np.ones(300)}))
+    flips = data.draw(
+        st.lists(
+            st.tuples(st.integers(0, len(record) - 1), st.integers(1, 255)), min_size=1, max_size=4
+        )
+    )
+    for at, mask in flips:
+        record[at] ^= mask
+    keep = data.draw(st.integers(0, len(record)))
+    try:
+        back = loads(bytes(record[:keep]))
+    except Exception:
+        return
+    if isinstance(back, dict) and isinstance(back.get("a"), np.ndarray):
+        assert back["a"].nbytes <= keep  # a view can only cover the record's own bytes
