@@ -306,6 +306,10 @@ class Cache:
         checked = checked_edit(frame, self.cache_id, len(self), self.name)
         store = _native.Store(str(self._root))
         with store.lock(self.name) as lock:
+            # Only the lock holder writes temporary tables, so any found now were left by
+            # a process that died mid-save.
+            for stale in (self.path / "metadata").glob(".v*.parquet.tmp-*"):
+                stale.unlink(missing_ok=True)
             versions = self._live_manifest()["metadata_versions"]
             version = int(max(versions)) + 1
             final = self._metadata_path(version)

@@ -86,3 +86,26 @@ def test_info_lists_metadata_versions(capsys: pytest.CaptureFixture[str]) -> Non
     c.save_metadata(c.metadata.head(5))
     assert main(["info", "versions"]) == 0
     assert "version 2 (saved: 1, 2)" in capsys.readouterr().out
+
+
+def test_every_subcommand_works_on_the_demo_cache_from_a_shell(tmp_path: Path) -> None:
+    exe = str(Path(sys.executable).parent / "dataset-rt")
+    root = str(tmp_path / "root")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [exe, *args, "--root", root], capture_output=True, text=True, check=False
+        )
+
+    assert run("demo").returncode == 0
+    listed = run("ls")
+    assert listed.returncode == 0 and "sklearn-digits-v1" in listed.stdout
+    info = run("info", "sklearn-digits-v1")
+    assert info.returncode == 0 and "1,797" in info.stdout
+    verified = run("verify", "sklearn-digits-v1", "-q")
+    assert verified.returncode == 0 and "intact" in verified.stdout
+    benched = run("bench", "sklearn-digits-v1", "--samples", "1000", "--workers", "0")
+    assert benched.returncode == 0 and "bottleneck:" in benched.stdout
+    missing = run("info", "absent")
+    assert missing.returncode == 1 and "no cache 'absent'" in missing.stderr
+    assert run("no-such-command").returncode == 2

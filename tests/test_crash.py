@@ -161,3 +161,49 @@ def test_concurrent_callers_build_once_and_all_open_it(tmp_path: Path, overwrite
     assert len(builders) == 1, f"{len(builders)} processes built the cache"
     assert len({r["cache_id"] for r in results}) == 1
     assert all(r["n"] == 300 and r["last"] == 299 for r in results)
+
+
+# A child that saves a new metadata version of "saved" and kills itself at $KILL_AT.
+SAVE_AND_DIE = """
+import os, signal, sys
+import polars as pl
+import dataset_rt as drt
+
+cache_module = sys.modules["dataset_rt.cache"]  # drt.cache is the function of that name
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+kill_at = os.environ["KILL_AT"]
+if kill_at == "before-fsync":  # the new table written to its temporary file
+    cache_module.fsync_file = die
+elif kill_at == "after-rename":  # the new table in place, the manifest not yet updated
+    real_replace = os.replace
+    def replace_and_die(src, dst):
+        real_replace(src, dst)
+        die()
+    cache_module.os.replace = replace_and_die
+c = drt.open("saved")
+c.save_metadata(c.metadata.with_columns(weight=pl.col("sample_id").cast(pl.Float64) + 1))
+print("finished")
+"""
+
+
+@pytest.mark.parametrize("kill_at", ["before-fsync", "after-rename"])
+def test_a_killed_metadata_save_keeps_the_live_version(kill_at: str) -> None:
+    import polars as pl
+
+    c = drt.cache(range(500), "saved", progress=False)
+    before = c.metadata
+    child = python_child(SAVE_AND_DIE, {"KILL_AT": kill_at})
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL, (out, err)
+    reopened = drt.open("saved")
+    assert reopened.metadata_version == 1
+    assert reopened.metadata.equals(before)
+    assert reopened.verify(progress=False).ok
+    # The next save succeeds, and leaves no temporary file of the dead one behind.
+    assert reopened.save_metadata(before.filter(pl.col("sample_id") < 5)) == 2
+    assert drt.open("saved").metadata.height == 5
+    leftovers = [p.name for p in (c.path / "metadata").iterdir() if ".tmp-" in p.name]
+    assert leftovers == []
