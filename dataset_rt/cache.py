@@ -200,22 +200,32 @@ class Cache:
     def _metadata_path(self, version: int) -> Path:
         return self.path / "metadata" / f"v{version:05d}.parquet"
 
-    def _read_metadata(self, version: int, manifest: dict[str, Any] | None = None) -> pl.DataFrame:
+    def _checked_metadata_path(self, version: int, manifest: dict[str, Any] | None) -> Path:
+        """The file of metadata version ``version``, checked against its recorded checksum.
+
+        Checked before parsing: a flipped bit in a weight would parse as a wrong weight.
+        Hashing runs at memory speed, a small cost next to the parse.
+        """
         path = self._metadata_path(version)
         if path.is_symlink():
             raise CacheCorruptError(f"{path}: is a symbolic link; cache files must be regular")
         expected = (manifest or self._live_manifest()).get("metadata_checksums", {})
         expected = expected.get(str(version))
-        try:
-            if expected is not None:
-                # Checked before parsing: a flipped bit in a weight would parse as a wrong
-                # weight. Hashing runs at memory speed, a small cost next to the parse.
+        if expected is not None:
+            try:
                 _, digest = _native.file_checksum(path)
-                if digest != expected:
-                    raise CacheCorruptError(
-                        f"{path}: metadata table fails its checksum (manifest {expected}, "
-                        f"file {digest}); it was modified outside dataset_rt"
-                    )
+            except OSError as exc:
+                raise CacheCorruptError(f"{path}: unreadable metadata table: {exc}") from exc
+            if digest != expected:
+                raise CacheCorruptError(
+                    f"{path}: metadata table fails its checksum (manifest {expected}, file "
+                    f"{digest}); it was modified outside dataset_rt"
+                )
+        return path
+
+    def _read_metadata(self, version: int, manifest: dict[str, Any] | None = None) -> pl.DataFrame:
+        path = self._checked_metadata_path(version, manifest)
+        try:
             return pl.read_parquet(path)
         except (OSError, pl.exceptions.PolarsError) as exc:
             raise CacheCorruptError(f"{path}: unreadable metadata table: {exc}") from exc
@@ -231,7 +241,9 @@ class Cache:
 
     def scan(self) -> pl.LazyFrame:
         """The live metadata table as a LazyFrame (nothing is read until collected)."""
-        return pl.scan_parquet(self._metadata_path(self.metadata_version))
+        manifest = self._live_manifest()
+        version = int(manifest["metadata_version"])
+        return pl.scan_parquet(self._checked_metadata_path(version, manifest))
 
     def metadata_versions(self) -> pl.DataFrame:
         """Every saved metadata version: ``version``, ``rows``, ``columns``, ``saved``, ``live``.

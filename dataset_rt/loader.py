@@ -218,13 +218,25 @@ class LoaderStats:
     """Time spent in ``transform``."""
     collate_seconds: float = 0.0
     """Time spent in ``collate``."""
+    empty_queue: int = 0
+    """Batches for which the native reader had nothing ready (without workers): the
+    consumer waited on reading. Near 0 means reading keeps ahead of training."""
+    queue_depth_sum: int = 0
+    """Sum over batches of the batches ready in the reader's queue when one was taken
+    (without workers); ``queue_depth_sum / batches`` is the mean queue depth."""
+
+    @property
+    def mean_queue_depth(self) -> float:
+        """Batches ready in the reader's queue, on average, when the consumer took one."""
+        return self.queue_depth_sum / self.batches if self.batches else 0.0
 
     def __str__(self) -> str:
         return (
             f"{self.batches:,} batches, {self.samples:,} samples, "
-            f"{self.bytes_read / 1e6:,.1f} MB read; waited {self.wait_seconds:.3f} s, "
-            f"decode {self.decode_seconds:.3f} s, transform {self.transform_seconds:.3f} s, "
-            f"collate {self.collate_seconds:.3f} s"
+            f"{self.bytes_read / 1e6:,.1f} MB read; waited {self.wait_seconds:.3f} s "
+            f"(queue empty for {self.empty_queue} batches, mean depth "
+            f"{self.mean_queue_depth:.1f}), decode {self.decode_seconds:.3f} s, "
+            f"transform {self.transform_seconds:.3f} s, collate {self.collate_seconds:.3f} s"
         )
 
 
@@ -483,13 +495,16 @@ class Loader:
     def _local(self, schedule: _native.Schedule) -> Iterator[Any]:
         spec, stats = self._spec, self._stats
         times = [0.0, 0.0, 0.0]
-        stream = iter(spec.stream(schedule, self._epoch, 0, 1))
+        stream = spec.stream(schedule, self._epoch, 0, 1)
         while True:
+            ready = stream.ready
             start = time.perf_counter()
             batch = next(stream, None)
             stats.wait_seconds += time.perf_counter() - start
             if batch is None:
                 return
+            stats.queue_depth_sum += ready
+            stats.empty_queue += int(ready == 0)
             out = assemble(batch, spec, times)
             self._count(len(batch), batch.nbytes, times)
             yield out

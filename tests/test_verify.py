@@ -115,6 +115,8 @@ def test_a_flipped_metadata_byte_never_reads_as_data(small: drt.Cache) -> None:
     _flip(path, path.stat().st_size // 3)
     with pytest.raises(CacheCorruptError, match=r"v00002.parquet: metadata table fails its"):
         _ = drt.open("small").metadata
+    with pytest.raises(CacheCorruptError, match=r"v00002.parquet: metadata table fails its"):
+        drt.open("small").scan()
     # The earlier version is intact and still readable.
     assert drt.open("small").metadata_at(1).height == 200
 

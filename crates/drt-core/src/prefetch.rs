@@ -6,7 +6,7 @@
 //! The consumer blocks only when the queue is empty; the thread blocks when it is full.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -207,6 +207,8 @@ impl Source {
 /// Reads a sequence of batches on a native thread, `depth` batches ahead.
 pub struct Prefetcher {
     rx: Mutex<Receiver<Result<Batch>>>,
+    /// Batches read and waiting in the queue.
+    ready: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -222,6 +224,8 @@ impl Prefetcher {
         let (tx, rx) = sync_channel(depth.max(1));
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
+        let ready = Arc::new(AtomicUsize::new(0));
+        let queued = ready.clone();
         let thread = std::thread::Builder::new()
             .name("drt-prefetch".into())
             .spawn(move || {
@@ -238,6 +242,8 @@ impl Prefetcher {
                             )))
                         });
                     let failed = result.is_err();
+                    // Counted before sending, so that the consumer never sees it below 0.
+                    queued.fetch_add(1, Ordering::Relaxed);
                     if tx.send(result).is_err() || failed {
                         return;
                     }
@@ -249,6 +255,7 @@ impl Prefetcher {
             })?;
         Ok(Self {
             rx: Mutex::new(rx),
+            ready,
             stop,
             thread: Some(thread),
         })
@@ -260,7 +267,16 @@ impl Prefetcher {
             .rx
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        rx.recv().ok()
+        let next = rx.recv().ok();
+        if next.is_some() {
+            self.ready.fetch_sub(1, Ordering::Relaxed);
+        }
+        next
+    }
+
+    /// Batches already read and waiting: 0 means the consumer's next call will wait.
+    pub fn ready(&self) -> usize {
+        self.ready.load(Ordering::Relaxed)
     }
 }
 

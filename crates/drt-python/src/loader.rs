@@ -276,6 +276,12 @@ impl PyBatchStream {
         slf
     }
 
+    /// Batches already read and waiting in the queue (0: the next call waits for a read).
+    #[getter]
+    fn ready(&self) -> usize {
+        self.prefetcher.ready()
+    }
+
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<PyBatch>> {
         if std::process::id() != self.pid {
             // Threads do not survive fork: the prefetch thread lives in the parent only.
