@@ -140,10 +140,16 @@ except RuntimeError as exc:
 else:
     raise SystemExit("the loader finished although a worker was killed")
 del batches
-import gc; gc.collect()
+import gc, time; gc.collect()
 alive = [p.pid for p in multiprocessing.active_children()]
+# multiprocessing's queue feeder threads end on their own shortly after the queues close:
+# give them a moment, then count what is left.
+deadline = time.monotonic() + 10
+while len(os.listdir("/proc/self/task")) > threads_before and time.monotonic() < deadline:
+    time.sleep(0.05)
 print(json.dumps({"message": message, "alive": alive,
-                  "threads": len(os.listdir("/proc/self/task")) - threads_before}))
+                  "threads": len(os.listdir("/proc/self/task")) - threads_before,
+                  "names": [t.name for t in threading.enumerate()]}))
 """
 
 
