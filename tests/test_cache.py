@@ -21,17 +21,6 @@ from dataset_rt.errors import (
 )
 
 
-@pytest.fixture
-def small() -> drt.Cache:
-    return drt.cache(
-        [record(i) for i in range(200)],
-        "small",
-        metadata=lambda r: {"label": r["label"]},
-        shard_size=4096,
-        progress=False,
-    )
-
-
 def test_get_reads_every_record_back_across_shards(small: drt.Cache) -> None:
     assert small.num_shards > 5
     reopened = drt.open("small")

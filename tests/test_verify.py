@@ -8,22 +8,10 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from helpers import record
 
 import dataset_rt as drt
 from dataset_rt.cli import EXIT_DAMAGED, main
 from dataset_rt.errors import CacheCorruptError, CacheNotFoundError
-
-
-@pytest.fixture
-def small() -> drt.Cache:
-    return drt.cache(
-        [record(i) for i in range(200)],
-        "small",
-        metadata=lambda r: {"label": r["label"]},
-        shard_size=4096,
-        progress=False,
-    )
 
 
 def _index(c: drt.Cache) -> pl.DataFrame:

@@ -239,11 +239,12 @@ impl CacheReader {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};
 
-    fn build(dir: &Path, records: &[Vec<u8>], opts: WriteOptions) -> Manifest {
+    /// Writes `records` as a cache into `dir` (shared by the tests of other modules).
+    pub(crate) fn build(dir: &Path, records: &[Vec<u8>], opts: WriteOptions) -> Manifest {
         let mut w = CacheWriter::create(dir, opts).unwrap();
         for r in records {
             w.append(r).unwrap();

@@ -90,31 +90,32 @@ fn read_entry(
     Ok(bytes)
 }
 
-/// Reads `entry` and compares it with its size and checksum; returns its bytes if it matches.
-fn check_entry(dir: &Path, entry: &FileEntry, report: &mut Report) -> Option<Vec<u8>> {
+/// Reads `entry` and compares it with its size and checksum, reporting any mismatch.
+/// Returns its bytes whenever the size is right (the checksum may still have failed: damaged
+/// files are read on, so that the report can name the samples affected) and whether the
+/// checksum matched.
+fn check_entry(dir: &Path, entry: &FileEntry, report: &mut Report) -> Option<(Vec<u8>, bool)> {
     report.files_checked += 1;
-    match read_entry(dir, &entry.file, Some(entry.size)) {
+    let bytes = match read_entry(dir, &entry.file, Some(entry.size)) {
         Err(msg) => {
             report.problem(&entry.file, msg);
-            None
+            return None;
         }
-        Ok(bytes) => {
-            report.bytes_read += bytes.len() as u64;
-            let digest = checksum_hex(xxhash_rust::xxh3::xxh3_64(&bytes));
-            if digest == entry.checksum {
-                Some(bytes)
-            } else {
-                report.problem(
-                    &entry.file,
-                    format!(
-                        "checksum {digest} does not match the manifest's {}",
-                        entry.checksum
-                    ),
-                );
-                None
-            }
-        }
+        Ok(bytes) => bytes,
+    };
+    report.bytes_read += bytes.len() as u64;
+    let digest = checksum_hex(xxhash_rust::xxh3::xxh3_64(&bytes));
+    let intact = digest == entry.checksum;
+    if !intact {
+        report.problem(
+            &entry.file,
+            format!(
+                "checksum {digest} does not match the manifest's {}",
+                entry.checksum
+            ),
+        );
     }
+    Some((bytes, intact))
 }
 
 /// Verifies the cache in `dir` completely. `progress` is told the bytes read after each file
@@ -141,7 +142,10 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(u64) -> Result<()>) -> Result
 
     // The index: checked as a file, then parsed; its records are checked against the shards
     // even when its checksum fails, so that the report can name the samples affected.
-    let index_ok = check_entry(dir, &manifest.index, &mut report).is_some();
+    let index_ok = matches!(
+        check_entry(dir, &manifest.index, &mut report),
+        Some((_, true))
+    );
     progress(report.bytes_read)?;
     let index = if index_ok || dir.join(&manifest.index.file).is_file() {
         match Index::open(&dir.join(&manifest.index.file), manifest.num_samples) {
@@ -161,30 +165,12 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(u64) -> Result<()>) -> Result
     // their size is right, so that the report names the damaged samples.
     let mut shards: Vec<Option<Vec<u8>>> = Vec::with_capacity(manifest.shards.len());
     for entry in &manifest.shards {
-        report.files_checked += 1;
-        let bytes = match read_entry(dir, &entry.file, Some(entry.size)) {
-            Err(msg) => {
-                report.problem(&entry.file, msg);
-                None
+        let bytes = check_entry(dir, entry, &mut report).map(|(bytes, _)| bytes);
+        if let Some(bytes) = &bytes {
+            if bytes.len() < SHARD_HEADER_LEN as usize || bytes[..8] != SHARD_MAGIC[..] {
+                report.problem(&entry.file, "not a dataset_rt shard (bad header)");
             }
-            Ok(bytes) => {
-                report.bytes_read += bytes.len() as u64;
-                let digest = checksum_hex(xxhash_rust::xxh3::xxh3_64(&bytes));
-                if digest != entry.checksum {
-                    report.problem(
-                        &entry.file,
-                        format!(
-                            "checksum {digest} does not match the manifest's {}",
-                            entry.checksum
-                        ),
-                    );
-                }
-                if bytes.len() < SHARD_HEADER_LEN as usize || bytes[..8] != SHARD_MAGIC[..] {
-                    report.problem(&entry.file, "not a dataset_rt shard (bad header)");
-                }
-                Some(bytes)
-            }
-        };
+        }
         shards.push(bytes);
         progress(report.bytes_read)?;
     }
@@ -277,28 +263,15 @@ fn check_records(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};
+    use crate::writer::WriteOptions;
 
     fn build(dir: &Path, n: usize) -> Manifest {
-        let mut w = CacheWriter::create(
-            dir,
-            WriteOptions {
-                shard_size: 4096,
-                alignment: 64,
-            },
-        )
-        .unwrap();
-        for i in 0..n {
-            w.append(&vec![i as u8; 100 + i % 50]).unwrap();
-        }
-        std::fs::write(dir.join(Manifest::metadata_file(1)), b"meta").unwrap();
-        w.finish(ManifestInfo {
-            name: "t".into(),
-            cache_id: "0123456789ab".into(),
-            serializer: "pickle".into(),
-            metadata_version: 1,
-        })
-        .unwrap()
+        let records: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; 100 + i % 50]).collect();
+        let opts = WriteOptions {
+            shard_size: 4096,
+            alignment: 64,
+        };
+        crate::reader::tests::build(dir, &records, opts)
     }
 
     fn no_progress(_: u64) -> Result<()> {
