@@ -102,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         if args.smoke:
-            workload(64, 16, 1, root)
+            workload(64, 72, 1, root)
             return
         workload(args.records, 256, args.rounds, root)
         workload(args.records // 4, 1024, args.rounds, root)

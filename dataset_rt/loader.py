@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import pickle
@@ -27,7 +28,7 @@ from dataset_rt.errors import (
     TransformError,
 )
 from dataset_rt.metadata import check_weights
-from dataset_rt.serialize import Decoder, PickleDecoder
+from dataset_rt.serialize import Decoder, PickleDecoder, loads
 
 __all__ = ["Loader", "LoaderSpec", "LoaderStats", "assemble"]
 
@@ -301,6 +302,9 @@ class Loader:
             collate = _default_collate()
         decoders = tuple(self._decoder(c, decode, bool(copy)) for c in caches)
         views = all(isinstance(d, PickleDecoder) for d in decoders)
+        if views:
+            # The same function without the class's Python-level __call__ in between.
+            decoders = tuple(functools.partial(loads, copy=d.copy) for d in decoders)  # type: ignore[attr-defined]
         if self._num_workers > 0:
             decoders = tuple(_portable("decode", d) for d in decoders)
             transform = _portable("transform", transform) if transform is not None else None

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dataset_rt as drt
-from dataset_rt.serialize import MAGIC, dumps, loads
+from dataset_rt.serialize import MAGIC, MIN_OUT_OF_BAND, dumps, loads
 
 DTYPES = [np.uint8, np.int16, np.int64, np.float32, np.float64, np.complex128, np.bool_]
 
@@ -24,7 +24,7 @@ def _arrays() -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     out = []
     for dtype in DTYPES:
-        base = (rng.random((40, 50)) * 100).astype(dtype)
+        base = (rng.random((256, 300)) * 100).astype(dtype)
         out += [base, np.asfortranarray(base), base[:, ::3], base[5]]
     return out
 
@@ -36,7 +36,7 @@ def test_arrays_of_every_dtype_and_memory_order_round_trip(index: int) -> None:
     assert back.dtype == array.dtype and back.shape == array.shape
     np.testing.assert_array_equal(back, array)
     contiguous = array.flags.c_contiguous or array.flags.f_contiguous
-    if contiguous and array.nbytes >= 1024:
+    if contiguous and array.nbytes >= MIN_OUT_OF_BAND:
         assert not back.flags.writeable  # a view of the record's bytes
         assert back.flags.f_contiguous == array.flags.f_contiguous
     else:
@@ -44,7 +44,7 @@ def test_arrays_of_every_dtype_and_memory_order_round_trip(index: int) -> None:
 
 
 def test_other_buffer_types_round_trip() -> None:
-    big = bytes(range(256)) * 40
+    big = bytes(range(256)) * 400
     record = {
         "bytes": big,
         "bytearray": bytearray(big),
@@ -75,7 +75,7 @@ def test_records_without_large_buffers_are_plain_pickle() -> None:
 
 def test_buffers_are_64_byte_aligned_in_cache_reads_and_loader_batches() -> None:
     records = [
-        {"a": np.full(1000 + 7 * i, i, dtype=np.float64), "b": np.ones(513)} for i in range(50)
+        {"a": np.full(10_000 + 7 * i, i, dtype=np.float64), "b": np.ones(8200)} for i in range(50)
     ]
     cache = drt.cache(records, "aligned", progress=False)
     assert cache.serializer == "pickle-oob"
@@ -92,7 +92,7 @@ def test_buffers_are_64_byte_aligned_in_cache_reads_and_loader_batches() -> None
 
 
 def test_copy_gives_writable_private_arrays() -> None:
-    cache = drt.cache([{"a": np.zeros(2000)}], "copies", progress=False)
+    cache = drt.cache([{"a": np.zeros(10_000)}], "copies", progress=False)
     mine = cache.get(0, copy=True)["a"]
     assert mine.flags.writeable
     mine[:] = 5
@@ -102,7 +102,7 @@ def test_copy_gives_writable_private_arrays() -> None:
 
 
 def test_views_outlive_the_cache_and_the_loader() -> None:
-    records = [{"a": np.full(4096, i, dtype=np.int32)} for i in range(20)]
+    records = [{"a": np.full(20_000, i, dtype=np.int32)} for i in range(20)]
     cache = drt.cache(records, "lifetime", progress=False)
     from_get = cache.get(3)["a"]
     loader = cache.metadata.drt.loader(batch_size=20, shuffle=False, collate=list)
@@ -114,7 +114,7 @@ def test_views_outlive_the_cache_and_the_loader() -> None:
 
 
 def test_default_collate_stacks_read_only_arrays_without_warnings() -> None:
-    records = [{"image": np.full((3, 16, 16), i, dtype=np.uint8), "label": i} for i in range(64)]
+    records = [{"image": np.full((3, 128, 192), i, dtype=np.uint8), "label": i} for i in range(64)]
     cache = drt.cache(records, "collate", progress=False)
     frame = cache.metadata
     for num_workers in (0, 2):
@@ -123,7 +123,7 @@ def test_default_collate_stacks_read_only_arrays_without_warnings() -> None:
             warnings.simplefilter("error")
             batches = list(loader)
         images = torch.cat([b["image"] for b in batches])
-        assert images.dtype == torch.uint8 and images.shape == (64, 3, 16, 16)
+        assert images.dtype == torch.uint8 and images.shape == (64, 3, 128, 192)
         assert images[:, 0, 0, 0].tolist() == list(range(64))
         assert torch.cat([b["label"] for b in batches]).tolist() == list(range(64))
 
@@ -140,7 +140,7 @@ def test_caches_written_in_band_still_read() -> None:
 
 
 def test_custom_decoders_receive_bytes_that_loads_decodes() -> None:
-    cache = drt.cache([{"a": np.arange(2000)}], "custom-decode", progress=False)
+    cache = drt.cache([{"a": np.arange(10_000)}], "custom-decode", progress=False)
     seen: list[Any] = []
 
     def decode(data: bytes) -> Any:
@@ -148,12 +148,12 @@ def test_custom_decoders_receive_bytes_that_loads_decodes() -> None:
         return loads(data)["a"].sum()
 
     batch = next(iter(cache.metadata.drt.loader(batch_size=1, decode=decode, collate=list)))
-    assert batch == [np.arange(2000).sum()] and seen == [bytes]
-    assert cache.get(0, decode=decode) == np.arange(2000).sum()
+    assert batch == [np.arange(10_000).sum()] and seen == [bytes]
+    assert cache.get(0, decode=decode) == np.arange(10_000).sum()
 
 
 def test_damaged_out_of_band_headers_are_errors_not_crashes() -> None:
-    data = bytearray(dumps({"a": np.zeros(5000)}))
+    data = bytearray(dumps({"a": np.zeros(10_000)}))
     data[8:16] = (10**6).to_bytes(8, "little")  # a buffer count far past the record
     with pytest.raises(pickle.UnpicklingError, match="shorter than its out-of-band header"):
         loads(bytes(data))
@@ -161,7 +161,7 @@ def test_damaged_out_of_band_headers_are_errors_not_crashes() -> None:
 
 def test_metadata_is_unchanged_by_the_payload_format() -> None:
     cache = drt.cache(
-        ({"a": np.zeros(2000), "label": i % 3} for i in range(30)),
+        ({"a": np.zeros(10_000), "label": i % 3} for i in range(30)),
         "meta-oob",
         metadata=lambda r: {"label": r["label"]},
         progress=False,
@@ -176,7 +176,7 @@ def test_metadata_is_unchanged_by_the_payload_format() -> None:
 def test_fuzzed_records_fail_cleanly_never_crash(data: st.DataObject) -> None:
     """Damaged out-of-band headers and streams raise an exception; they never crash or read
     outside the record."""
-    record = bytearray(dumps({"a": np.arange(600, dtype=np.float64), "b": np.ones(300)}))
+    record = bytearray(dumps({"a": np.arange(9000, dtype=np.float64), "b": np.ones(300)}))
     flips = data.draw(
         st.lists(
             st.tuples(st.integers(0, len(record) - 1), st.integers(1, 255)), min_size=1, max_size=4
