@@ -3,7 +3,7 @@ from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
 from types import TracebackType
-from typing import final
+from typing import Any, final
 
 __all__ = [
     "FORMAT_VERSION",
@@ -116,6 +116,9 @@ class Batch:
     def nbytes(self) -> int: ...
     def records(self) -> list[bytes]: ...
     def views(self) -> list[memoryview]: ...
+    def decode(
+        self, plain: Callable[[Any], Any], oob: Callable[[Any], Any], magic: bytes
+    ) -> list[Any]: ...
     @property
     def starts(self) -> list[int]: ...
     @property

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dataset_rt.cache import PathLike
 from dataset_rt.cache import open as open_cache
 from dataset_rt.errors import ArgumentError
-from dataset_rt.loader import Loader
+from dataset_rt.loader import Loader, decode_batch
 from dataset_rt.progress import format_bytes
 
 __all__ = ["BenchResult", "Stage", "bench"]
@@ -149,13 +149,12 @@ def bench(
 
     probe = loader(0)
     spec = probe._spec
-    decode = spec.decoders[0]
 
     def native_pass(decoding: bool) -> tuple[int, int]:
         n = nbytes = 0
         for batch in spec.stream(probe._schedule(0), 0, 0, 1):
             if decoding:
-                list(map(decode, batch.records()))
+                decode_batch(batch, spec)
             n += len(batch)
             nbytes += batch.nbytes
         return n, nbytes

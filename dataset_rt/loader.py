@@ -28,7 +28,7 @@ from dataset_rt.errors import (
     TransformError,
 )
 from dataset_rt.metadata import check_weights
-from dataset_rt.serialize import Decoder, PickleDecoder, loads
+from dataset_rt.serialize import MAGIC, Decoder, PickleDecoder, loads
 
 __all__ = ["Loader", "LoaderSpec", "LoaderStats", "assemble"]
 
@@ -124,7 +124,8 @@ class LoaderSpec:
     depth: int
     verify: bool
     views: bool = False
-    """Decoders take ``memoryview``s of the batch buffer (zero-copy) instead of ``bytes``."""
+    """Every cache uses its default pickle decoder (``decoders`` are :func:`loads`): batches
+    decode in one native loop, arrays as views of the batch buffer."""
 
     def stream(
         self, schedule: _native.Schedule, epoch: int, first: int, step: int
@@ -169,6 +170,21 @@ def _apply(
     return out  # pragma: no cover - only reached if fn fails once and then succeeds
 
 
+def decode_batch(batch: _native.Batch, spec: LoaderSpec) -> list[Any]:
+    """The records of one native batch, decoded by the loader's decoders."""
+    if spec.views:
+        try:
+            return batch.decode(pickle.loads, spec.decoders[0], MAGIC)
+        except Exception:
+            # Decode again record by record, to name the one that fails.
+            return _apply(spec.decoders[0], batch.views(), spec, batch, "decode")
+    if len(spec.decoders) == 1:
+        return _apply(spec.decoders[0], batch.records(), spec, batch, "decode")
+    decoders = spec.decoders
+    pairs = list(zip(batch.caches, batch.records(), strict=True))
+    return _apply(lambda p: decoders[p[0]](p[1]), pairs, spec, batch, "decode")
+
+
 def assemble(batch: _native.Batch, spec: LoaderSpec, times: list[float] | None = None) -> Any:
     """Decodes, transforms and collates the records of one native batch.
 
@@ -176,13 +192,7 @@ def assemble(batch: _native.Batch, spec: LoaderSpec, times: list[float] | None =
     to its first three items.
     """
     start = time.perf_counter()
-    payloads = batch.views() if spec.views else batch.records()
-    if len(spec.decoders) == 1:
-        records = _apply(spec.decoders[0], payloads, spec, batch, "decode")
-    else:
-        decoders = spec.decoders
-        pairs = list(zip(batch.caches, payloads, strict=True))
-        records = _apply(lambda p: decoders[p[0]](p[1]), pairs, spec, batch, "decode")
+    records = decode_batch(batch, spec)
     decoded = time.perf_counter()
     if spec.transform is not None:
         records = _apply(spec.transform, records, spec, batch, "transform")

@@ -141,12 +141,15 @@ else:
     raise SystemExit("the loader finished although a worker was killed")
 del batches
 import gc, time; gc.collect()
-alive = [p.pid for p in multiprocessing.active_children()]
-# multiprocessing's queue feeder threads end on their own shortly after the queues close:
-# give them a moment, then count what is left.
+# The other worker is told to stop and multiprocessing's queue feeder threads end on their
+# own once the queues close; on a loaded machine that takes a moment: wait up to 10 s, then
+# count what is left.
 deadline = time.monotonic() + 10
-while len(os.listdir("/proc/self/task")) > threads_before and time.monotonic() < deadline:
+while time.monotonic() < deadline and (
+    multiprocessing.active_children() or len(os.listdir("/proc/self/task")) > threads_before
+):
     time.sleep(0.05)
+alive = [p.pid for p in multiprocessing.active_children()]
 print(json.dumps({"message": message, "alive": alive,
                   "threads": len(os.listdir("/proc/self/task")) - threads_before,
                   "names": [t.name for t in threading.enumerate()]}))

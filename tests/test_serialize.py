@@ -91,6 +91,28 @@ def test_buffers_are_64_byte_aligned_in_cache_reads_and_loader_batches() -> None
             assert not record["a"].flags.writeable
 
 
+def test_batches_mixing_plain_and_out_of_band_records_decode_in_order() -> None:
+    # Small records are plain pickles, large ones carry out-of-band buffers: the loader
+    # decodes both kinds from one batch, in the batch's order.
+    records: list[Any] = []
+    for i in range(60):
+        if i % 3 == 0:
+            records.append({"i": i, "big": np.full(20_000, i, dtype=np.int32)})
+        else:
+            records.append({"i": i, "small": np.full(4, i), "text": f"record {i}", "raw": b"x" * i})
+    cache = drt.cache(records, "mixed", progress=False)
+    loader = cache.metadata.drt.loader(batch_size=16, shuffle=False, collate=list)
+    got = [r for batch in loader for r in batch]
+    assert [r["i"] for r in got] == list(range(60))
+    for record in got:
+        i = record["i"]
+        if i % 3 == 0:
+            assert int(record["big"][-1]) == i and not record["big"].flags.writeable
+        else:
+            assert record["text"] == f"record {i}" and record["raw"] == b"x" * i
+            assert record["small"].flags.writeable  # in-band arrays are the record's own
+
+
 def test_copy_gives_writable_private_arrays() -> None:
     cache = drt.cache([{"a": np.zeros(10_000)}], "copies", progress=False)
     mine = cache.get(0, copy=True)["a"]

@@ -190,6 +190,55 @@ impl PyBatch {
         PyList::new(py, views)
     }
 
+    /// Decodes every record in one native loop: records that start with `magic` (those with
+    /// out-of-band buffers) go to `oob` as `memoryview`s of the batch buffer, which their
+    /// arrays may keep; every other record goes to `plain` (`pickle.loads`) as a memoryview
+    /// that is released once `plain` returns, so nothing it built can refer to the buffer.
+    ///
+    /// The first exception a decoder raises is raised as is; the caller names the record.
+    fn decode<'py>(
+        slf: Bound<'py, Self>,
+        plain: &Bound<'py, PyAny>,
+        oob: &Bound<'py, PyAny>,
+        magic: &[u8],
+    ) -> PyResult<Bound<'py, PyList>> {
+        let py = slf.py();
+        let batch = &slf.get().inner;
+        let release = pyo3::intern!(py, "release");
+        let mut whole: Option<Bound<'py, pyo3::types::PyMemoryView>> = None;
+        let mut out = Vec::with_capacity(batch.len());
+        for i in 0..batch.len() {
+            let record = batch.record(i);
+            if record.starts_with(magic) {
+                let whole = match &whole {
+                    Some(w) => w,
+                    None => whole.insert(pyo3::types::PyMemoryView::from(slf.as_any())?),
+                };
+                let (start, end) = (batch.starts[i] as isize, batch.ends[i] as isize);
+                let view = whole.get_item(pyo3::types::PySlice::new(py, start, end, 1))?;
+                out.push(oob.call1((view,))?);
+                continue;
+            }
+            // SAFETY: `record` lies in the buffer of this frozen batch, which `slf` keeps
+            // alive and unchanged for the whole call. The view is released right after
+            // `plain` returns; a reference `plain` might have kept then refuses every access.
+            let view = unsafe {
+                Bound::from_owned_ptr_or_err(
+                    py,
+                    pyo3::ffi::PyMemoryView_FromMemory(
+                        record.as_ptr() as *mut std::ffi::c_char,
+                        record.len() as pyo3::ffi::Py_ssize_t,
+                        pyo3::ffi::PyBUF_READ,
+                    ),
+                )?
+            };
+            let decoded = plain.call1((&view,));
+            view.call_method0(release)?;
+            out.push(decoded?);
+        }
+        PyList::new(py, out)
+    }
+
     /// Where each record starts in the buffer.
     #[getter]
     fn starts(&self) -> Vec<u64> {
