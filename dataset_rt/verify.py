@@ -85,7 +85,10 @@ def _check_metadata(path: Path, manifest: dict[str, object], known_bad: set[str]
     """Parses every metadata version and checks its rows against the cache."""
     problems = []
     versions = manifest.get("metadata_versions", [])
-    assert isinstance(versions, list)
+    if not isinstance(versions, list) or not all(type(v) is int for v in versions):
+        return [
+            Problem("manifest.json", f"metadata_versions is not a list of integers: {versions!r}")
+        ]
     for version in versions:
         file = f"metadata/v{version:05d}.parquet"
         if file in known_bad:

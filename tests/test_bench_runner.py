@@ -1,0 +1,52 @@
+"""The peer benchmark (bench/run.py) runs end to end at tiny sizes, so that it never rots.
+
+It compares every system that is installed: dataset_rt and the two baselines always, the
+peers where the ``bench`` extra is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_smoke_run_measures_every_installed_system(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "run.py"),
+            "--smoke",
+            "--root",
+            str(tmp_path / "data"),
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    systems = report["systems"]
+    assert {"dataset_rt", "mmap", "list"} <= set(systems)
+    for workload in ("small", "large"):
+        results = report["workloads"][workload]["systems"]
+        assert set(results) == set(systems)
+        for name, r in results.items():
+            assert "error" not in r, f"{name} on {workload}: {r.get('error')}"
+            assert r["build"]["bytes"] > 0 and r["build"]["seconds"] > 0
+            for figure in ("read", "workers", "filter", "startup", "startup_cold"):
+                assert r[figure]["median"] > 0, (name, workload, figure)
+            assert r["memory_read"]["parent"][1] > 0
+            assert len(r["memory_workers"]["workers"]) == 2, (name, workload)
+            # Every system appears in the printed table, with a ratio to the baseline.
+            assert f"| {name} | " in done.stdout
+    assert "(1.00x)" in done.stdout
+    # Built data is removed as soon as a system is measured.
+    assert not any(p.is_file() for p in (tmp_path / "data").rglob("*") if p.suffix != ".npy")
