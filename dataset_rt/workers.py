@@ -74,8 +74,33 @@ def worker_batches(
     )
     iterator = iter(loader)
     try:
-        yield from iterator
+        while True:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            except (ConnectionError, EOFError, FileNotFoundError) as exc:
+                # A worker killed just after queueing a batch leaves a tensor whose file
+                # descriptor can no longer be fetched: PyTorch then surfaces the broken
+                # connection instead of its "worker exited unexpectedly" error.
+                dead = _dead_workers(iterator)
+                if not dead:
+                    raise
+                raise RuntimeError(
+                    f"DataLoader worker ({dead}) exited unexpectedly while sending a batch"
+                ) from exc
+            yield item
     finally:
         shutdown = getattr(iterator, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
+
+
+def _dead_workers(iterator: Any) -> str:
+    """Names the loader's workers that have died, or is empty if none has."""
+    dead = []
+    for process in getattr(iterator, "_workers", []):
+        process.join(timeout=1.0)  # reaps a worker that was killed a moment ago
+        if process.exitcode is not None and process.exitcode != 0:
+            dead.append(f"pid {process.pid}, exit code {process.exitcode}")
+    return "; ".join(dead)

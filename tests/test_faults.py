@@ -131,6 +131,7 @@ batches = iter(loader)
 next(batches)
 workers = multiprocessing.active_children()
 assert workers, "no worker processes found"
+import time; time.sleep(PAUSE)  # with a pause, the worker has queued its next batch
 os.kill(workers[0].pid, signal.SIGKILL)
 try:
     for _ in batches:
@@ -156,9 +157,10 @@ print(json.dumps({"message": message, "alive": alive,
 """
 
 
-def test_a_killed_worker_is_a_clear_error_without_hang_or_leaks() -> None:
+@pytest.mark.parametrize("pause", [0.0, 1.5])
+def test_a_killed_worker_is_a_clear_error_without_hang_or_leaks(pause: float) -> None:
     drt.cache(({"x": np.full(4, i)} for i in range(5000)), "workers", progress=False)
-    child = python_child(KILL_A_WORKER)
+    child = python_child(KILL_A_WORKER.replace("PAUSE", repr(pause)))
     out, err = child.communicate(timeout=180)
     assert child.returncode == 0, f"{out}\n{err}"
     result = json.loads(out.strip().splitlines()[-1])
