@@ -22,6 +22,7 @@ through its random-access API behind a map-style ``Dataset``, with the same draw
 
 from __future__ import annotations
 
+import abc
 import importlib.util
 import mmap
 import os
@@ -93,7 +94,7 @@ def chunks(draws: np.ndarray, size: int = BATCH) -> Iterator[np.ndarray]:
         yield draws[start : start + size]
 
 
-class System:
+class System(abc.ABC):
     """One way of storing and reading the workload."""
 
     name = ""
@@ -110,18 +111,21 @@ class System:
     def installed(cls) -> bool:
         return importlib.util.find_spec(cls.module) is not None
 
+    @abc.abstractmethod
     def build(self, wl: Workload, path: Path) -> None:
-        raise NotImplementedError
+        """Writes every record of ``wl`` under ``path``."""
 
+    @abc.abstractmethod
     def open(self, path: Path) -> Any:
-        raise NotImplementedError
+        """What reads need: a handle on the data built at ``path``."""
 
+    @abc.abstractmethod
     def get_many(self, handle: Any, indices: np.ndarray) -> list[dict[str, Any]]:
         """The decoded records at ``indices``, in order (the system's fastest random access)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def labels(self, handle: Any) -> np.ndarray:
-        raise NotImplementedError
+        """Every record's label, the way the system offers them."""
 
     # -- what every system does the same way -------------------------------------------------
     def read(self, handle: Any, draws: np.ndarray) -> Iterator[list[Any]]:
@@ -193,6 +197,12 @@ class DatasetRT(System):
         import dataset_rt as drt
 
         return drt.open("bench", root=path)
+
+    def get_many(self, handle: Any, indices: np.ndarray) -> list[dict[str, Any]]:
+        return [handle.get(i) for i in indices.tolist()]
+
+    def labels(self, handle: Any) -> np.ndarray:
+        return handle.metadata["label"].to_numpy()  # type: ignore[no-any-return]
 
     def _frame(self, handle: Any) -> Any:
         import polars as pl

@@ -172,11 +172,15 @@ def measure(system: System, wl: Workload, path: Path, rounds: int, cap: float) -
 
     def one_process() -> float:
         n, start = 0, time.perf_counter()
-        for batch in system.read(handle, draws):
+        batches = system.read(handle, draws)
+        for batch in batches:
             n += len(batch)
             if time.perf_counter() - start > cap:
                 break
-        return n / (time.perf_counter() - start)
+        rate = n / (time.perf_counter() - start)
+        memory.sample()  # with the pass's reader still alive: mappings drop with it
+        del batches, batch
+        return rate
 
     memory.take()
     result["read"] = runs(one_process, rounds)
