@@ -6,7 +6,7 @@ a loader (warm page cache, batch 32):
 - ``bare copy``: ``np.stack`` of the same arrays, already in RAM, into a preallocated batch —
   the physical limit of building a batch (the baseline);
 - ``zero-copy (default)``: a loader over a cache written with the default serializer: arrays
-  decode as views of the batch buffer and are stacked into the batch tensor once;
+  decode as views of the mapped shard and are stacked into the batch tensor once;
 - ``pickle in band``: a loader over the same records written with ``"pickle-inband"``:
   ``pickle.loads`` copies each array out, PyTorch's collate copies it again.
 

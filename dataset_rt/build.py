@@ -22,6 +22,9 @@ __all__ = ["cache"]
 
 DEFAULT_SHARD_SIZE = 256 << 20
 DEFAULT_ALIGNMENT = 16
+VIEW_ALIGNMENT = 64
+"""Where the serializer stores arrays out of band, records start at multiples of this, so
+that the arrays can be viewed in the mapped shard with the alignment they were written at."""
 FIRST_METADATA_VERSION = 1
 
 Source = Iterable[Any] | Callable[[], Iterable[Any]]
@@ -47,7 +50,7 @@ def cache(
     overwrite: bool = False,
     progress: bool = True,
     shard_size: int = DEFAULT_SHARD_SIZE,
-    alignment: int = DEFAULT_ALIGNMENT,
+    alignment: int | None = None,
 ) -> Cache:
     """Caches the records of ``source`` once under ``name``, or reuses that cache.
 
@@ -89,7 +92,9 @@ def cache(
     shard_size
         Upper bound on the size of a payload shard file, in bytes.
     alignment
-        Every record starts at a multiple of this many bytes in its shard.
+        Every record starts at a multiple of this many bytes in its shard. By default 64
+        for the default serializer (its out-of-band arrays are then read in place, aligned
+        as written) and 16 otherwise.
 
     Returns
     -------
@@ -113,9 +118,11 @@ def cache(
     _native.validate_name(name)
     if shard_size < 1024:
         raise ArgumentError(f"shard_size must be at least 1024 bytes, got {shard_size}")
+    ser_name, dumps = resolve_serializer(serializer)
+    if alignment is None:
+        alignment = VIEW_ALIGNMENT if ser_name == "pickle-oob" else DEFAULT_ALIGNMENT
     if alignment < 1 or alignment & (alignment - 1) or alignment > 4096:
         raise ArgumentError(f"alignment must be a power of two up to 4096, got {alignment}")
-    ser_name, dumps = resolve_serializer(serializer)
     root_path = resolve_root(root)
     store = _native.Store(str(root_path))
 

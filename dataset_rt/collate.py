@@ -13,6 +13,9 @@ This module needs PyTorch; the loader imports it only when PyTorch is installed.
 from __future__ import annotations
 
 import math
+import mmap
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -22,6 +25,52 @@ from torch.utils.data._utils.collate import collate as _collate
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 __all__ = ["default_collate"]
+
+
+class _BatchMemory:
+    """Memory of dropped batch tensors, kept for the next batches of the same size.
+
+    A batch of large arrays is tens of MiB: above glibc's mmap threshold, so each fresh
+    ``torch.empty`` is a new mapping and the stacking copy page-faults on every 4 KiB page.
+    Tensors built here hold a NumPy array over a pooled anonymous ``mmap``; once the last
+    tensor sharing that memory is gone, the array is collected and the memory returns to the
+    pool. At most ``KEEP`` free buffers of ``MAX_BYTES`` together are kept. The memory comes
+    from ``mmap`` rather than ``malloc`` so that holding it leaves glibc's allocation
+    heuristics (and so the speed of every other allocation in the process) alone.
+    """
+
+    KEEP = 4
+    MAX_BYTES = 512 << 20
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def tensor(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> torch.Tensor:
+        """An uninitialized tensor of ``shape`` and ``dtype`` on pooled memory."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            index = next((i for i, b in enumerate(self._free) if len(b) == nbytes), None)
+            memory = self._free.pop(index) if index is not None else None
+        if memory is None:
+            memory = mmap.mmap(-1, nbytes)
+        array = np.frombuffer(memory, dtype=dtype).reshape(shape)
+        # The tensor's storage keeps ``array`` alive; ``array`` keeps ``memory`` alive. Only
+        # torch views are ever taken of it, so nothing else can outlive ``array``.
+        weakref.finalize(array, self._put, memory)
+        return torch.from_numpy(array)
+
+    def _put(self, memory: mmap.mmap) -> None:
+        with self._lock:
+            held = sum(len(b) for b in self._free)
+            if len(self._free) < self.KEEP and held + len(memory) <= self.MAX_BYTES:
+                self._free.append(memory)
+
+
+_POOL = _BatchMemory()
+
+# Below this a fresh allocation is cheap (glibc serves it from the heap).
+_POOLED_FROM = 1 << 20
 
 
 def _stack_arrays(batch: list[np.ndarray], *, collate_fn_map: Any = None) -> Any:
@@ -37,6 +86,14 @@ def _stack_arrays(batch: list[np.ndarray], *, collate_fn_map: Any = None) -> Any
             math.prod(shape), device="cpu"
         )
         out = template.new(storage).resize_(shape)
+    elif math.prod(shape) * first.dtype.itemsize >= _POOLED_FROM and not any(
+        a.flags.writeable for a in batch
+    ):
+        # Only for read-only arrays, which view a shard or a batch buffer: where records own
+        # their arrays (in-band pickles, custom decoders), freeing a malloc'ed batch tensor
+        # is what raises glibc's mmap threshold above the arrays' size, so that each array
+        # is not a fresh mapping.
+        out = _POOL.tensor(shape, first.dtype)
     else:
         out = torch.empty(shape, dtype=template.dtype)
     np.stack(batch, out=out.numpy())

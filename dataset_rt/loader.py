@@ -22,6 +22,7 @@ from dataset_rt import _native, registry
 from dataset_rt.cache import Cache, PathLike
 from dataset_rt.errors import (
     ArgumentError,
+    CacheCorruptError,
     LoaderStateError,
     MetadataError,
     SerializationError,
@@ -109,6 +110,11 @@ def _portable(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+VIEW_IN_PLACE_FROM = 1 << 16
+"""Records with out-of-band arrays at least this long are not copied into the batch buffer:
+their arrays view the mapped shard, and the default collate's stacking is their one copy."""
+
+
 @dataclass(frozen=True)
 class LoaderSpec:
     """Everything a process needs to read a loader's batches; small and picklable."""
@@ -125,7 +131,8 @@ class LoaderSpec:
     verify: bool
     views: bool = False
     """Every cache uses its default pickle decoder (``decoders`` are :func:`loads`): batches
-    decode in one native loop, arrays as views of the batch buffer."""
+    decode in one native loop, arrays as views of the mapped shard (large records) or of the
+    batch buffer."""
 
     def stream(
         self, schedule: _native.Schedule, epoch: int, first: int, step: int
@@ -142,6 +149,8 @@ class LoaderSpec:
             step,
             self.depth,
             self.verify,
+            MAGIC if self.views else None,
+            VIEW_IN_PLACE_FROM,
         )
 
 
@@ -192,17 +201,34 @@ def assemble(batch: _native.Batch, spec: LoaderSpec, times: list[float] | None =
     to its first three items.
     """
     start = time.perf_counter()
-    records = decode_batch(batch, spec)
-    decoded = time.perf_counter()
-    if spec.transform is not None:
-        records = _apply(spec.transform, records, spec, batch, "transform")
-    transformed = time.perf_counter()
-    out = spec.collate(records)
+    try:
+        records = decode_batch(batch, spec)
+        decoded = time.perf_counter()
+        if spec.transform is not None:
+            records = _apply(spec.transform, records, spec, batch, "transform")
+        transformed = time.perf_counter()
+        out = spec.collate(records)
+    except Exception as exc:
+        if batch.shrank:  # what failed read zeros: report that
+            raise _shrank(batch, spec) from exc
+        raise
+    if batch.shrank:  # arrays viewing a shard read zeros where it was truncated
+        raise _shrank(batch, spec)
     if times is not None:
         times[0] += decoded - start
         times[1] += transformed - decoded
         times[2] += time.perf_counter() - transformed
     return out
+
+
+def _shrank(batch: _native.Batch, spec: LoaderSpec) -> CacheCorruptError:
+    """The error for a batch whose arrays read zeros from a shard truncated under them."""
+    names = ", ".join(sorted({repr(spec.cache_names[c]) for c in batch.caches}))
+    return CacheCorruptError(
+        f"a file of cache {names} shrank while it was mapped (truncated by another "
+        f"process?): batch {batch.number} read zeros from it. Check it with "
+        "`dataset-rt verify`, rebuild it if damaged, and open it again"
+    )
 
 
 @dataclass
@@ -305,6 +331,9 @@ class Loader:
         if not isinstance(data, pl.DataFrame):
             raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
         caches, plan_frame = self._snapshot(data, root)
+        # Held for the loader's life: each epoch's native reader shares their mappings of
+        # the shards, so pages mapped in one epoch stay mapped for the next.
+        self._caches = caches
         self._rows = plan_frame.height
         self._total = num_samples if num_samples is not None else self._rows
 

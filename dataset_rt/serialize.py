@@ -57,6 +57,9 @@ _pickle_dumps: Serializer = functools.partial(pickle.dumps, protocol=PICKLE_PROT
 MAGIC = b"DRTOOB01"
 _HEAD = struct.Struct("<8sQQ")
 _SPAN = struct.Struct("<QQ")
+_HEAD_SIZE, _SPAN_SIZE = _HEAD.size, _SPAN.size
+_unpack_head, _unpack_span = _HEAD.unpack_from, _SPAN.unpack_from
+_SHORT = "record is shorter than its out-of-band header says"
 ALIGN = 64
 """Alignment of out-of-band buffers within a record (and of records in shards and batches)."""
 MIN_OUT_OF_BAND = 64 * 1024
@@ -132,23 +135,24 @@ def loads(data: bytes | memoryview, *, copy: bool = False) -> Any:
     copies); they keep ``data`` alive for as long as they exist. ``copy=True`` gives each
     buffer its own writable memory instead.
     """
-    if data[:8] != MAGIC:
-        return pickle.loads(data)
     view = memoryview(data)
-    short = pickle.UnpicklingError("record is shorter than its out-of-band header says")
-    if view.nbytes < _HEAD.size:
-        raise short
-    _, count, length = _HEAD.unpack_from(view)
-    start = _HEAD.size + _SPAN.size * count
-    if start + length > view.nbytes:
-        raise short
-    spans = [_SPAN.unpack_from(view, _HEAD.size + _SPAN.size * i) for i in range(count)]
-    if any(o + n > view.nbytes for o, n in spans):
-        raise short
-    if copy:
-        buffers: list[Any] = [bytearray(view[o : o + n]) for o, n in spans]
-    else:
-        buffers = [view[o : o + n] for o, n in spans]
+    if view[:8] != MAGIC:
+        return pickle.loads(data)
+    size = view.nbytes
+    if size < _HEAD_SIZE:
+        raise pickle.UnpicklingError(_SHORT)
+    _, count, length = _unpack_head(view)
+    start = _HEAD_SIZE + _SPAN_SIZE * count
+    if start + length > size:
+        raise pickle.UnpicklingError(_SHORT)
+    buffers: list[Any] = []
+    for at in range(_HEAD_SIZE, start, _SPAN_SIZE):
+        offset, nbytes = _unpack_span(view, at)
+        if offset + nbytes > size:
+            raise pickle.UnpicklingError(_SHORT)
+        buffers.append(
+            bytearray(view[offset : offset + nbytes]) if copy else view[offset : offset + nbytes]
+        )
     return pickle.loads(view[start : start + length], buffers=buffers)
 
 

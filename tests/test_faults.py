@@ -119,6 +119,40 @@ def test_a_full_disk_during_a_metadata_save_keeps_the_live_version() -> None:
     assert drt.open("meta").verify(progress=False).ok
 
 
+TRUNCATE_UNDER_VIEWS = """
+import os
+import numpy as np
+import dataset_rt as drt
+from dataset_rt.errors import CacheCorruptError
+
+# 80 KB arrays: out of band, so the loader's arrays view the mapped shards.
+cache = drt.cache(({"x": np.full(20_000, i, dtype=np.float32)} for i in range(64)), "views",
+                  shard_size=1 << 20, progress=False)
+loader = cache.metadata.drt.loader(batch_size=8, shuffle=False, prefetch=2, collate=list)
+batches = iter(loader)
+first = next(batches)
+assert [float(r["x"][-1]) for r in first] == list(range(8))
+for shard in (cache.path / "shards").iterdir():
+    os.truncate(shard, 0)
+print("held:", sum(float(r["x"].sum()) for r in first))
+try:
+    for _ in batches:
+        pass
+except CacheCorruptError as exc:
+    print("loader:", exc)
+else:
+    raise SystemExit("the loader read past the truncated end without an error")
+"""
+
+
+def test_arrays_viewing_a_truncated_shard_read_zeros_and_the_loader_stops() -> None:
+    child = python_child(TRUNCATE_UNDER_VIEWS)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, f"exit {child.returncode}\n{out}\n{err}"
+    assert "held: 0.0" in out  # the views' pages read as zeros instead of raising SIGBUS
+    assert "loader:" in out and "shrank while it was mapped" in out
+
+
 KILL_A_WORKER = """
 import json, multiprocessing, os, signal, threading
 import numpy as np

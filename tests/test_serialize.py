@@ -150,6 +150,70 @@ def test_default_collate_stacks_read_only_arrays_without_warnings() -> None:
         assert torch.cat([b["label"] for b in batches]).tolist() == list(range(64))
 
 
+def test_batch_tensors_reuse_memory_only_once_released() -> None:
+    # 8 records of 256 KiB: 2 MiB batches, whose memory the default collate recycles.
+    records = [{"x": np.full((256, 256), i, dtype=np.float32)} for i in range(32)]
+    cache = drt.cache(records, "recycled-batches", progress=False)
+    loader = cache.metadata.drt.loader(batch_size=8, shuffle=False)
+    kept = next(iter(loader))["x"][2:4]  # a view keeps the whole batch's memory
+    seen = set()
+    for _ in range(3):
+        for batch in loader:
+            seen.add(batch["x"].data_ptr())
+            assert batch["x"][:, 0, 0].tolist() == batch["x"][:, -1, -1].tolist()
+        gc.collect()
+    assert kept[:, 100, 100].tolist() == [2.0, 3.0]  # never overwritten by later batches
+    assert len(seen) <= 3  # 12 batches on a few recycled buffers
+    kept_ptr = kept.data_ptr()
+    assert all(not (p <= kept_ptr < p + 8 * 256 * 256 * 4) for p in seen)
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file this process maps at ``address`` (from /proc/self/maps), if any."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def _mappings_of(path: str) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if line.rstrip().endswith(path))
+
+
+def test_loader_arrays_view_the_mapped_shard_and_outlive_loader_and_cache() -> None:
+    # 64 KiB arrays: out of band, so a loader leaves them in the shard.
+    records = [{"x": np.full((128, 128), i, dtype=np.float32)} for i in range(16)]
+    cache = drt.cache(records, "shard-views", progress=False)
+    shard = str(cache.path / "shards" / "00000.bin")
+    loader = cache.metadata.drt.loader(batch_size=4, shuffle=False, collate=list)
+    arrays = [r["x"] for r in next(iter(loader))]
+    assert all(_mapped_file(a.ctypes.data) == shard for a in arrays)
+    assert all(not a.flags.writeable and a.ctypes.data % 64 == 0 for a in arrays)
+    del loader, cache
+    gc.collect()
+    assert [float(a[5, 5]) for a in arrays] == [0.0, 1.0, 2.0, 3.0]
+    held = _mappings_of(shard)
+    assert held >= 1  # the views keep their mapping
+    del arrays
+    gc.collect()
+    assert _mappings_of(shard) < held
+
+
+def test_copy_true_arrays_are_private_even_for_records_left_in_the_shard() -> None:
+    records = [{"x": np.full((128, 128), i, dtype=np.float32)} for i in range(8)]
+    cache = drt.cache(records, "shard-copies", progress=False)
+    loader = cache.metadata.drt.loader(batch_size=4, shuffle=False, collate=list, copy=True)
+    arrays = [r["x"] for r in next(iter(loader))]
+    shard = str(cache.path / "shards" / "00000.bin")
+    assert all(a.flags.writeable and _mapped_file(a.ctypes.data) != shard for a in arrays)
+    arrays[0][0, 0] = -1.0
+    assert cache.get(0)["x"][0, 0] == 0.0
+
+
 def test_caches_written_in_band_still_read() -> None:
     records = [{"a": np.arange(1000) + i} for i in range(10)]
     cache = drt.cache(records, "inband", serializer="pickle-inband", progress=False)

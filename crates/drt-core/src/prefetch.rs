@@ -4,6 +4,11 @@
 //! a bounded queue of `depth` ready batches. A batch is one contiguous buffer holding its
 //! records back to back plus their offsets, so it crosses into Python as a single object.
 //! The consumer blocks only when the queue is empty; the thread blocks when it is full.
+//!
+//! Large records that the consumer will only view (arrays stored out of band) can instead
+//! stay in their mapped shard: the batch then holds a [`Span`] of the shard for them, and
+//! the reader thread only touches their pages, so that the consumer's single copy (stacking
+//! them into the batch tensor) finds them mapped.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -13,7 +18,7 @@ use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
 use crate::plan::Plan;
-use crate::reader::CacheReader;
+use crate::reader::{CacheReader, Span};
 use crate::sampler::Stream;
 use crate::schedule::Schedule;
 
@@ -25,7 +30,7 @@ pub struct Batch {
     /// The records' bytes, each starting at an address that is a multiple of
     /// [`BATCH_ALIGN`] (zero padding between them).
     pub data: Vec<u8>,
-    /// Record `i` is `data[starts[i]..ends[i]]`.
+    /// Record `i` is `data[starts[i]..ends[i]]`, unless it is `outside[i]`.
     pub starts: Vec<u64>,
     /// See `starts`.
     pub ends: Vec<u64>,
@@ -33,6 +38,8 @@ pub struct Batch {
     pub caches: Vec<u32>,
     /// Each record's sample id within its cache.
     pub sample_ids: Vec<u64>,
+    /// Records left in their mapped shard (`starts[i] == ends[i]` for them); empty if none.
+    pub outside: Vec<Option<Span>>,
     /// Where `data` goes back when the batch is dropped, for the next batch to reuse.
     pub recycle: Recycle,
 }
@@ -95,14 +102,25 @@ impl Eq for Recycle {}
 pub const BATCH_ALIGN: usize = 64;
 
 impl Batch {
-    /// The bytes of record `i`.
+    /// The bytes of record `i`. Those of a record left in its shard may be read outside a
+    /// guarded section only because its file is registered with [`crate::sigbus`].
     pub fn record(&self, i: usize) -> &[u8] {
-        &self.data[self.starts[i] as usize..self.ends[i] as usize]
+        match self.outside(i) {
+            Some(span) => span.bytes(),
+            None => &self.data[self.starts[i] as usize..self.ends[i] as usize],
+        }
+    }
+
+    /// Record `i`'s span of its mapped shard, if it was left there.
+    pub fn outside(&self, i: usize) -> Option<&Span> {
+        self.outside.get(i).and_then(Option::as_ref)
     }
 
     /// The records' total length, padding excluded.
     pub fn payload_len(&self) -> u64 {
-        self.starts.iter().zip(&self.ends).map(|(s, e)| e - s).sum()
+        let inside: u64 = self.starts.iter().zip(&self.ends).map(|(s, e)| e - s).sum();
+        let outside: usize = self.outside.iter().flatten().map(|s| s.bytes().len()).sum();
+        inside + outside as u64
     }
 
     /// Copies `records` (of total length `total`) into the batch's buffer, each at a
@@ -154,6 +172,43 @@ pub struct Source {
     pub verify: bool,
     /// Buffers of dropped batches, reused by the next ones.
     pub recycler: Arc<Recycler>,
+    /// Which records to leave in their mapped shard; `None`: copy every record.
+    pub views: Option<Arc<ViewRule>>,
+}
+
+/// Records left in their mapped shard instead of copied into the batch: those at least
+/// `min_len` bytes long that start with `prefix` at an address aligned to [`BATCH_ALIGN`]
+/// bytes (as a copy in the batch would be).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ViewRule {
+    /// The leading bytes of records to leave in place (the out-of-band record header).
+    pub prefix: Vec<u8>,
+    /// The shortest record worth leaving in place.
+    pub min_len: usize,
+}
+
+impl ViewRule {
+    fn applies(&self, span: &Span) -> bool {
+        let bytes = span.bytes();
+        span.viewable()
+            && (bytes.as_ptr() as usize).is_multiple_of(BATCH_ALIGN)
+            && bytes.len() >= self.min_len
+            && bytes.starts_with(&self.prefix)
+    }
+}
+
+/// Reads one byte of every page of `bytes`: the kernel maps the pages (and reads them from
+/// disk if needed) here, on the reader thread, instead of when the consumer copies them.
+fn touch(bytes: &[u8]) {
+    const PAGE: usize = 4096;
+    let mut sum = 0u8;
+    for offset in (0..bytes.len()).step_by(PAGE) {
+        sum ^= std::hint::black_box(bytes[offset]);
+    }
+    if let Some(&last) = bytes.last() {
+        sum ^= std::hint::black_box(last);
+    }
+    std::hint::black_box(sum);
 }
 
 impl Source {
@@ -181,25 +236,40 @@ impl Source {
             batch.caches.push(cache);
             batch.sample_ids.push(sample_id);
         }
-        let mut records = Vec::with_capacity(batch.len());
-        let mut total = 0usize;
+        let mut spans = Vec::with_capacity(batch.len());
+        let mut outside = Vec::with_capacity(batch.len());
         for (&cache, &sample_id) in batch.caches.iter().zip(&batch.sample_ids) {
             let reader = self.caches.get(cache as usize).ok_or_else(|| {
                 Error::InvalidArgument(format!("cache code {cache} has no open cache"))
             })?;
-            let record = if self.verify {
-                reader.record_verified(sample_id)?
-            } else {
-                reader.record(sample_id)?
-            };
-            total += record.len();
-            records.push(record);
+            let span = reader.span(sample_id, self.verify)?;
+            let leave = self.views.as_ref().is_some_and(|rule| rule.applies(&span));
+            if leave {
+                touch(span.bytes());
+            }
+            outside.push(leave);
+            spans.push(span);
         }
+        // Records left in place take no room in the buffer: an empty slice each.
+        let records: Vec<&[u8]> = spans
+            .iter()
+            .zip(&outside)
+            .map(|(span, &out)| if out { &[][..] } else { span.bytes() })
+            .collect();
+        let total = records.iter().map(|r| r.len()).sum::<usize>();
         batch.data = self
             .recycler
             .take(total + (records.len() + 1) * (BATCH_ALIGN - 1));
         batch.recycle = Recycle(Some(self.recycler.clone()));
         batch.fill(&records, total);
+        drop(records);
+        if outside.iter().any(|&out| out) {
+            batch.outside = spans
+                .into_iter()
+                .zip(outside)
+                .map(|(span, out)| out.then_some(span))
+                .collect();
+        }
         Ok(batch)
     }
 }
@@ -333,6 +403,7 @@ mod tests {
             schedule: Schedule::new(20, 0, 0, 1, batch, false).unwrap(),
             verify: true,
             recycler: Arc::default(),
+            views: None,
         }
     }
 
@@ -359,6 +430,52 @@ mod tests {
         }
         let expected: Vec<String> = (0..20).rev().map(|i| format!("record-{i}")).collect();
         assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn records_matching_the_view_rule_stay_in_their_shard() {
+        let dir = tempfile::tempdir().unwrap();
+        let records: Vec<Vec<u8>> = (0..12u8)
+            .map(|i| match i % 3 {
+                0 => [b"VIEW".as_slice(), &vec![i; 10_000]].concat(), // left in place
+                1 => [b"VIEW".as_slice(), &[i; 10]].concat(),         // too short
+                _ => vec![i; 10_000],                                 // no prefix
+            })
+            .collect();
+        let opts = WriteOptions {
+            shard_size: 256 << 20,
+            alignment: 64,
+        };
+        crate::reader::tests::build(dir.path(), &records, opts);
+        let ids: Vec<u64> = (0..12).collect();
+        let plan_path = dir.path().join("plan");
+        Plan::write(&plan_path, &ids, None, None).unwrap();
+        let src = Source {
+            plan: Arc::new(Plan::open(&plan_path).unwrap()),
+            caches: Arc::new(vec![CacheReader::open(dir.path()).unwrap()]),
+            stream: Stream::new(0, 0),
+            schedule: Schedule::new(12, 0, 0, 1, 12, false).unwrap(),
+            verify: true,
+            recycler: Arc::default(),
+            views: Some(Arc::new(ViewRule {
+                prefix: b"VIEW".to_vec(),
+                min_len: 1000,
+            })),
+        };
+        let batch = src.read(0).unwrap();
+        let total: usize = records.iter().map(Vec::len).sum();
+        assert_eq!(batch.payload_len(), total as u64);
+        for (i, record) in records.iter().enumerate() {
+            assert_eq!(batch.record(i), &record[..], "record {i}");
+            assert_eq!(batch.outside(i).is_some(), i % 3 == 0, "record {i}");
+            assert_eq!(batch.record(i).as_ptr() as usize % BATCH_ALIGN, 0);
+        }
+        // Only the records copied into the batch take room in its buffer.
+        assert!(batch.data.len() < 5 * 10_000 + 4 * 14 + 13 * BATCH_ALIGN);
+        // A span keeps its mapping alive after the reader and the source are gone.
+        let span = batch.outside(3).unwrap().clone();
+        drop((batch, src));
+        assert_eq!(span.bytes(), &records[3][..]);
     }
 
     #[test]

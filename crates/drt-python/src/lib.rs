@@ -27,6 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reader::PyCacheReader>()?;
     m.add_class::<loader::PySchedule>()?;
     m.add_class::<loader::PyBatch>()?;
+    m.add_class::<loader::PyMappedRecord>()?;
     m.add_class::<loader::PyBatchStream>()?;
     m.add_function(wrap_pyfunction!(store::validate_name, m)?)?;
     m.add_function(wrap_pyfunction!(store::file_checksum, m)?)?;

@@ -6,13 +6,13 @@ use std::sync::Arc;
 
 use arrow_array::types::{Float64Type, UInt32Type, UInt64Type};
 use drt_core::plan::Plan;
-use drt_core::prefetch::{Batch, Prefetcher, Source};
-use drt_core::reader::CacheReader;
+use drt_core::prefetch::{Batch, Prefetcher, Source, ViewRule};
+use drt_core::reader::{CacheReader, Span};
 use drt_core::sampler::Stream;
 use drt_core::schedule::Schedule;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyList, PyMemoryView};
 
 use crate::arrow::{primitive_column, read_stream};
 use crate::errors::{run, to_py};
@@ -111,6 +111,54 @@ impl PySchedule {
     }
 }
 
+/// A record's bytes in its mapped shard, as a read-only buffer; the mapping lives as long
+/// as this object or any view of it.
+#[pyclass(name = "MappedRecord", module = "dataset_rt._native", frozen)]
+pub struct PyMappedRecord {
+    span: Span,
+}
+
+#[pymethods]
+impl PyMappedRecord {
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let bytes = slf.get().span.bytes();
+        // SAFETY: `view` is the buffer Python asks us to fill. The bytes lie in a read-only
+        // mapping that the span keeps alive; the view keeps `slf` (and so the span) alive.
+        // If the file shrinks, the pages read as zeros instead of raising SIGBUS (the shard
+        // is registered with drt_core::sigbus), and `Batch.shrank` says so.
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                bytes.as_ptr() as *mut c_void,
+                bytes.len() as pyo3::ffi::Py_ssize_t,
+                1,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    fn __len__(&self) -> usize {
+        self.span.bytes().len()
+    }
+}
+
+/// A read-only memoryview of a record left in its mapped shard.
+fn mapped_view<'py>(py: Python<'py>, span: &Span) -> PyResult<Bound<'py, PyMemoryView>> {
+    let record = Bound::new(py, PyMappedRecord { span: span.clone() })?;
+    PyMemoryView::from(record.as_any())
+}
+
 #[pyclass(name = "Batch", module = "dataset_rt._native", frozen)]
 pub struct PyBatch {
     inner: Batch,
@@ -161,6 +209,13 @@ impl PyBatch {
         self.inner.number
     }
 
+    /// Whether a shard that records of this batch were left in shrank under a view of it:
+    /// their pages past the new end read as zeros, so nothing decoded from them holds.
+    #[getter]
+    fn shrank(&self) -> bool {
+        self.inner.outside.iter().flatten().any(Span::shrank)
+    }
+
     /// The records' total length in bytes (the buffer also holds alignment padding).
     #[getter]
     fn nbytes(&self) -> u64 {
@@ -176,14 +231,19 @@ impl PyBatch {
         )
     }
 
-    /// The records as read-only `memoryview`s of the batch's buffer, without copying; each
-    /// starts at a 64-byte aligned address and keeps the batch alive.
+    /// The records as read-only `memoryview`s, without copying: of the batch's buffer
+    /// (keeping the batch alive), or of the mapped shard for records left there (keeping the
+    /// mapping alive). Each starts at a 64-byte aligned address.
     fn views<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let py = slf.py();
-        let whole = pyo3::types::PyMemoryView::from(slf.as_any())?;
+        let whole = PyMemoryView::from(slf.as_any())?;
         let batch = &slf.get().inner;
         let mut views = Vec::with_capacity(batch.len());
-        for (&start, &end) in batch.starts.iter().zip(&batch.ends) {
+        for (i, (&start, &end)) in batch.starts.iter().zip(&batch.ends).enumerate() {
+            if let Some(span) = batch.outside(i) {
+                views.push(mapped_view(py, span)?.into_any());
+                continue;
+            }
             let slice = pyo3::types::PySlice::new(py, start as isize, end as isize, 1);
             views.push(whole.get_item(slice)?);
         }
@@ -191,9 +251,10 @@ impl PyBatch {
     }
 
     /// Decodes every record in one native loop: records that start with `magic` (those with
-    /// out-of-band buffers) go to `oob` as `memoryview`s of the batch buffer, which their
-    /// arrays may keep; every other record goes to `plain` (`pickle.loads`) as a memoryview
-    /// that is released once `plain` returns, so nothing it built can refer to the buffer.
+    /// out-of-band buffers) go to `oob` as `memoryview`s of the batch buffer, or of their
+    /// mapped shard if they were left there, which their arrays may keep; every other record
+    /// goes to `plain` (`pickle.loads`) as a memoryview that is released once `plain`
+    /// returns, so nothing it built can refer to the buffer.
     ///
     /// The first exception a decoder raises is raised as is; the caller names the record.
     fn decode<'py>(
@@ -208,11 +269,15 @@ impl PyBatch {
         let mut whole: Option<Bound<'py, pyo3::types::PyMemoryView>> = None;
         let mut out = Vec::with_capacity(batch.len());
         for i in 0..batch.len() {
+            if let Some(span) = batch.outside(i) {
+                out.push(oob.call1((mapped_view(py, span)?,))?);
+                continue;
+            }
             let record = batch.record(i);
             if record.starts_with(magic) {
                 let whole = match &whole {
                     Some(w) => w,
-                    None => whole.insert(pyo3::types::PyMemoryView::from(slf.as_any())?),
+                    None => whole.insert(PyMemoryView::from(slf.as_any())?),
                 };
                 let (start, end) = (batch.starts[i] as isize, batch.ends[i] as isize);
                 let view = whole.get_item(pyo3::types::PySlice::new(py, start, end, 1))?;
@@ -271,9 +336,11 @@ pub struct PyBatchStream {
 #[pymethods]
 impl PyBatchStream {
     /// Starts reading batches `first, first + step, ...` of `schedule` on a native thread.
-    /// `cache_dirs[i]` must hold the build `cache_ids[i]`.
+    /// `cache_dirs[i]` must hold the build `cache_ids[i]`. Records of at least
+    /// `view_min_len` bytes that start with `view_prefix` stay in their mapped shard (if the
+    /// cache aligns records to 64 bytes) instead of being copied into the batch.
     #[new]
-    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, seed, epoch, first, step, depth, verify))]
+    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, seed, epoch, first, step, depth, verify, view_prefix = None, view_min_len = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -287,6 +354,8 @@ impl PyBatchStream {
         step: u64,
         depth: usize,
         verify: bool,
+        view_prefix: Option<Vec<u8>>,
+        view_min_len: usize,
     ) -> PyResult<Self> {
         let schedule = schedule.inner;
         let prefetcher = run(py, || {
@@ -311,6 +380,12 @@ impl PyBatchStream {
                 schedule,
                 verify,
                 recycler: Arc::default(),
+                views: view_prefix.map(|prefix| {
+                    Arc::new(ViewRule {
+                        prefix,
+                        min_len: view_min_len,
+                    })
+                }),
             };
             let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
             Prefetcher::start(source, numbers, depth)
