@@ -18,7 +18,9 @@ For each system, in fresh processes so that one system's memory never counts for
     start-up     a fresh process: import + open + the first batch of 256 weighted draws;
                  warm page cache, and cold (posix_fadvise DONTNEED on every file first)
     1 process    weighted random reads (balanced classes, with replacement), decoded to
-                 dictionaries with a NumPy image, batches of 256, in one process
+                 dictionaries with a NumPy image, batches of 256, in one process; each
+                 batch's images are stacked into one array (what training does next, and
+                 what makes every system read the bytes: a view alone reads nothing)
     2 workers    the same draws through a PyTorch DataLoader with 2 worker processes and the
                  default collate (dataset_rt: its own loader), from the first batch on
     memory       peak RSS, PSS and anonymous memory of the parent reading in one process;
@@ -170,10 +172,14 @@ def measure(system: System, wl: Workload, path: Path, rounds: int, cap: float) -
     memory.start()
     result: dict[str, Any] = {}
 
+    stacked = np.empty((BATCH, *wl.shape), dtype=np.uint8)
+
     def one_process() -> float:
         n, start = 0, time.perf_counter()
         batches = system.read(handle, draws)
         for batch in batches:
+            # Unsafe casting: Hugging Face's NumPy format returns uint8 columns as int64.
+            np.stack([r["image"] for r in batch], out=stacked[: len(batch)], casting="unsafe")
             n += len(batch)
             if time.perf_counter() - start > cap:
                 break

@@ -1,11 +1,11 @@
 """The loaders' default collate: PyTorch's ``default_collate``, copying read-only arrays once.
 
 Records decoded from the default serializer hold read-only NumPy arrays that view the
-loader's batch buffer. PyTorch's own collate would wrap each with ``torch.as_tensor``, which
-warns that the array is not writable, and then copy it into the batch. Here the arrays are
-stacked straight into the batch tensor instead — the one copy a batch needs — in shared
-memory when running in a DataLoader worker, as PyTorch does. Everything else (dicts, tuples,
-numbers, strings, tensors) is collated by PyTorch unchanged.
+mapped shard or the loader's batch buffer. PyTorch's own collate would wrap each with
+``torch.as_tensor``, which warns that the array is not writable, and then copy it into the
+batch. Here the arrays are stacked straight into the batch tensor instead — the one copy a
+batch needs — in shared memory when running in a DataLoader worker, as PyTorch does.
+Everything else (dicts, tuples, numbers, strings, tensors) is collated by PyTorch unchanged.
 
 This module needs PyTorch; the loader imports it only when PyTorch is installed.
 """

@@ -163,8 +163,9 @@ class _FrameMethods:
             Check every record against its stored checksum.
         copy
             Give decoded NumPy arrays their own writable memory. By default (caches written
-            with ``serializer="pickle"``) they are read-only views of the batch's buffer,
-            and the default collate stacks them into the batch tensor in one copy.
+            with ``serializer="pickle"``) they are read-only views of the mapped shard
+            (or of the batch's buffer, for records under 64 KiB), and the default collate
+            stacks them into the batch tensor in one copy.
         """
         return Loader(
             self._frame,

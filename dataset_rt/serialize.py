@@ -159,8 +159,8 @@ def loads(data: bytes | memoryview, *, copy: bool = False) -> Any:
 class PickleDecoder:
     """The decoder of caches written with ``serializer="pickle"``: :func:`loads`.
 
-    Loaders hand it each record as a ``memoryview`` of their batch's buffer, so that arrays
-    come back as views of that buffer without a copy.
+    Loaders hand it each record as a ``memoryview`` of the mapped shard or of their batch's
+    buffer, so that arrays come back as views of that memory without a copy.
     """
 
     def __init__(self, *, copy: bool = False) -> None:

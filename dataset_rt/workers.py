@@ -39,7 +39,7 @@ class _WorkerStream(tud.IterableDataset[Any]):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         # The DataLoader already keeps prefetch_factor collated batches per worker in flight;
         # a native read-ahead of one batch overlaps reading with decoding. A deeper one would
-        # only hold more batch buffers (64 MiB each for 256 records of 256 KiB) per worker.
+        # only hold more batch buffers per worker.
         spec = dataclasses.replace(self.spec, depth=1)
         for batch in spec.stream(self.schedule, self.epoch, worker, workers):
             times = [0.0, 0.0, 0.0]
