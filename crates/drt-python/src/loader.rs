@@ -126,24 +126,11 @@ impl PyMappedRecord {
         flags: c_int,
     ) -> PyResult<()> {
         let bytes = slf.get().span.bytes();
-        // SAFETY: `view` is the buffer Python asks us to fill. The bytes lie in a read-only
-        // mapping that the span keeps alive; the view keeps `slf` (and so the span) alive.
-        // If the file shrinks, the pages read as zeros instead of raising SIGBUS (the shard
-        // is registered with drt_core::sigbus), and `Batch.shrank` says so.
-        let rc = unsafe {
-            pyo3::ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                bytes.as_ptr() as *mut c_void,
-                bytes.len() as pyo3::ffi::Py_ssize_t,
-                1,
-                flags,
-            )
-        };
-        if rc == -1 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
+        // SAFETY: the bytes lie in a read-only mapping that the span keeps alive, and the
+        // view keeps `slf` (and so the span) alive. If the file shrinks, the pages read as
+        // zeros instead of raising SIGBUS (the shard is registered with drt_core::sigbus),
+        // and `Batch.shrank` says so.
+        unsafe { fill_read_only(slf.as_any(), bytes, view, flags) }
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
@@ -151,6 +138,36 @@ impl PyMappedRecord {
     fn __len__(&self) -> usize {
         self.span.bytes().len()
     }
+}
+
+/// Fills `view` (the buffer Python asks `owner` for) as a read-only view of `bytes`; the
+/// view holds a new reference to `owner` (`view.obj`).
+///
+/// # Safety
+///
+/// `view` must be the buffer passed to `owner`'s `__getbuffer__`, and `bytes` must stay
+/// valid and unchanged for as long as `owner` lives.
+unsafe fn fill_read_only(
+    owner: &Bound<'_, PyAny>,
+    bytes: &[u8],
+    view: *mut pyo3::ffi::Py_buffer,
+    flags: c_int,
+) -> PyResult<()> {
+    // SAFETY: the caller's contract; FillInfo only reads `bytes`' address and length.
+    let rc = unsafe {
+        pyo3::ffi::PyBuffer_FillInfo(
+            view,
+            owner.as_ptr(),
+            bytes.as_ptr() as *mut c_void,
+            bytes.len() as pyo3::ffi::Py_ssize_t,
+            1,
+            flags,
+        )
+    };
+    if rc == -1 {
+        return Err(PyErr::fetch(owner.py()));
+    }
+    Ok(())
 }
 
 /// A read-only memoryview of a record left in its mapped shard.
@@ -179,23 +196,9 @@ impl PyBatch {
         flags: c_int,
     ) -> PyResult<()> {
         let data = &slf.get().inner.data;
-        // SAFETY: `view` is the buffer Python asks us to fill; the bytes belong to this
-        // frozen object, which never changes them and which the view keeps alive (FillInfo
-        // stores a new reference to `slf` in `view.obj`).
-        let rc = unsafe {
-            pyo3::ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                data.as_ptr() as *mut c_void,
-                data.len() as pyo3::ffi::Py_ssize_t,
-                1,
-                flags,
-            )
-        };
-        if rc == -1 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
+        // SAFETY: the bytes belong to this frozen object, which never changes them and which
+        // the view keeps alive.
+        unsafe { fill_read_only(slf.as_any(), data, view, flags) }
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
