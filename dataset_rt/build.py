@@ -16,15 +16,12 @@ from dataset_rt.errors import (
 )
 from dataset_rt.metadata import MetadataCollector
 from dataset_rt.progress import BuildProgress
-from dataset_rt.serialize import Decoder, SerializerSpec, as_bytes, resolve_serializer
+from dataset_rt.serialize import ALIGN, Decoder, SerializerSpec, as_bytes, resolve_serializer
 
 __all__ = ["cache"]
 
 DEFAULT_SHARD_SIZE = 256 << 20
 DEFAULT_ALIGNMENT = 16
-VIEW_ALIGNMENT = 64
-"""Where the serializer stores arrays out of band, records start at multiples of this, so
-that the arrays can be viewed in the mapped shard with the alignment they were written at."""
 FIRST_METADATA_VERSION = 1
 
 Source = Iterable[Any] | Callable[[], Iterable[Any]]
@@ -120,7 +117,8 @@ def cache(
         raise ArgumentError(f"shard_size must be at least 1024 bytes, got {shard_size}")
     ser_name, dumps = resolve_serializer(serializer)
     if alignment is None:
-        alignment = VIEW_ALIGNMENT if ser_name == "pickle-oob" else DEFAULT_ALIGNMENT
+        # Out-of-band arrays are then viewed in the mapped shard aligned as written.
+        alignment = ALIGN if ser_name == "pickle-oob" else DEFAULT_ALIGNMENT
     if alignment < 1 or alignment & (alignment - 1) or alignment > 4096:
         raise ArgumentError(f"alignment must be a power of two up to 4096, got {alignment}")
     root_path = resolve_root(root)

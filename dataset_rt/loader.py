@@ -29,7 +29,7 @@ from dataset_rt.errors import (
     TransformError,
 )
 from dataset_rt.metadata import check_weights
-from dataset_rt.serialize import MAGIC, Decoder, PickleDecoder, loads
+from dataset_rt.serialize import MAGIC, MIN_OUT_OF_BAND, Decoder, PickleDecoder, loads
 
 __all__ = ["Loader", "LoaderSpec", "LoaderStats", "assemble"]
 
@@ -110,11 +110,6 @@ def _portable(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-VIEW_IN_PLACE_FROM = 1 << 16
-"""Records with out-of-band arrays at least this long are not copied into the batch buffer:
-their arrays view the mapped shard, and the default collate's stacking is their one copy."""
-
-
 @dataclass(frozen=True)
 class LoaderSpec:
     """Everything a process needs to read a loader's batches; small and picklable."""
@@ -149,8 +144,10 @@ class LoaderSpec:
             step,
             self.depth,
             self.verify,
+            # Records with out-of-band arrays (of MIN_OUT_OF_BAND bytes or more) are not copied
+            # into the batch: their arrays view the shard, and collating is their one copy.
             MAGIC if self.views else None,
-            VIEW_IN_PLACE_FROM,
+            MIN_OUT_OF_BAND,
         )
 
 

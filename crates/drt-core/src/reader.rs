@@ -342,15 +342,16 @@ impl CacheReader {
     /// `verify`. Reading its bytes outside a guarded section is safe only if it is
     /// [`Span::viewable`].
     pub fn span(&self, sample_id: u64, verify: bool) -> Result<Span> {
-        if verify {
-            self.record_verified(sample_id)?;
-        }
         let (loc, shard) = self.checked_location(sample_id)?;
-        Ok(Span {
+        let span = Span {
             file: shard.map.clone(),
             start: loc.offset as usize,
             end: (loc.offset + loc.length) as usize,
-        })
+        };
+        if verify {
+            check_digest(sample_id, &loc, shard, span.bytes())?;
+        }
+        Ok(span)
     }
 
     /// The bytes of record `sample_id`, viewed in the mapped shard.
@@ -363,16 +364,22 @@ impl CacheReader {
     pub fn record_verified(&self, sample_id: u64) -> Result<&[u8]> {
         let (loc, shard) = self.checked_location(sample_id)?;
         let bytes = &shard.map[loc.offset as usize..(loc.offset + loc.length) as usize];
-        let digest = xxhash_rust::xxh3::xxh3_64(bytes);
-        crate::ensure_intact!(
-            digest == loc.checksum,
-            &shard.path,
-            "sample_id {sample_id} fails its checksum (stored {}, read {})",
-            checksum_hex(loc.checksum),
-            checksum_hex(digest)
-        );
+        check_digest(sample_id, &loc, shard, bytes)?;
         Ok(bytes)
     }
+}
+
+/// Checks record `sample_id`'s `bytes` against the checksum its index entry `loc` holds.
+fn check_digest(sample_id: u64, loc: &Location, shard: &Shard, bytes: &[u8]) -> Result<()> {
+    let digest = xxhash_rust::xxh3::xxh3_64(bytes);
+    crate::ensure_intact!(
+        digest == loc.checksum,
+        &shard.path,
+        "sample_id {sample_id} fails its checksum (stored {}, read {})",
+        checksum_hex(loc.checksum),
+        checksum_hex(digest)
+    );
+    Ok(())
 }
 
 #[cfg(test)]

@@ -340,8 +340,8 @@ pub struct PyBatchStream {
 impl PyBatchStream {
     /// Starts reading batches `first, first + step, ...` of `schedule` on a native thread.
     /// `cache_dirs[i]` must hold the build `cache_ids[i]`. Records of at least
-    /// `view_min_len` bytes that start with `view_prefix` stay in their mapped shard (if the
-    /// cache aligns records to 64 bytes) instead of being copied into the batch.
+    /// `view_min_len` bytes that start with `view_prefix` at a 64-byte aligned address stay
+    /// in their mapped shard instead of being copied into the batch.
     #[new]
     #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, seed, epoch, first, step, depth, verify, view_prefix = None, view_min_len = 0))]
     #[allow(clippy::too_many_arguments)]
