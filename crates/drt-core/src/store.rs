@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! <root>/<name>/                    a published cache
-//! <root>/.<name>.lock               flock'ed by the one process building <name>
+//! <root>/.<name>.lock               flock'ed by the one process building <name>; removed
+//!                                   by its holder on release, so none outlives its build
 //! <root>/.<name>.build-<pid>-<id>   a build in progress (or left behind by a crash)
 //! ```
 //!
@@ -18,6 +19,17 @@ use std::time::Duration;
 use crate::error::{Error, IoContext, Result};
 use crate::format::{new_cache_id, sync_dir, validate_name, Manifest, MANIFEST_FILE};
 
+/// Whether `path` still names the open `file` (false once it was removed or replaced).
+fn is_same_file(file: &File, path: &Path) -> Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let held = file.metadata().at(path)?;
+    match std::fs::symlink_metadata(path) {
+        Ok(now) => Ok(now.dev() == held.dev() && now.ino() == held.ino()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e).at(path),
+    }
+}
+
 /// A directory that holds caches by name.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -25,10 +37,26 @@ pub struct Store {
 }
 
 /// Exclusive right to build (or rebuild) one cache name; released on drop or process exit.
+///
+/// The lock is an `flock` on the file `<root>/.<name>.lock`. Its holder removes the file when
+/// it releases the lock, so lock files do not pile up in the root. A process that was waiting
+/// on the removed file then finds that the path no longer names the file it locked, and tries
+/// again on whatever file is there now: the holder is always the one process whose locked
+/// file is the one at the path.
 #[derive(Debug)]
 pub struct BuildLock {
-    _file: File,
+    file: Option<File>,
+    path: PathBuf,
     name: String,
+}
+
+impl Drop for BuildLock {
+    fn drop(&mut self) {
+        // Removed while still locked, so nobody can take a lock on this file after us and
+        // believe it is the current one. A failure leaves a stale but harmless file.
+        let _ = std::fs::remove_file(&self.path);
+        drop(self.file.take());
+    }
 }
 
 impl BuildLock {
@@ -80,29 +108,35 @@ impl Store {
         validate_name(name)?;
         std::fs::create_dir_all(&self.root).at(&self.root)?;
         let path = self.root.join(format!(".{name}.lock"));
-        let file = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .at(&path)?;
         let mut waited = false;
         loop {
-            match file.try_lock() {
-                Ok(()) => {
-                    let lock = BuildLock {
-                        _file: file,
-                        name: name.to_string(),
-                    };
-                    return Ok((lock, waited));
+            let file = File::options()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+                .at(&path)?;
+            loop {
+                match file.try_lock() {
+                    Ok(()) => break,
+                    Err(std::fs::TryLockError::WouldBlock) => {
+                        waited = true;
+                        poll()?;
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(std::fs::TryLockError::Error(e)) => return Err(e).at(&path),
                 }
-                Err(std::fs::TryLockError::WouldBlock) => {
-                    waited = true;
-                    poll()?;
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(std::fs::TryLockError::Error(e)) => return Err(e).at(&path),
             }
+            if is_same_file(&file, &path)? {
+                let lock = BuildLock {
+                    file: Some(file),
+                    path,
+                    name: name.to_string(),
+                };
+                return Ok((lock, waited));
+            }
+            // The holder we waited for removed the file on release: lock the current one.
+            waited = true;
         }
     }
 
@@ -298,6 +332,41 @@ mod tests {
         assert!(!waited);
         // Other names are independent.
         store.lock("y", || panic!("must not wait")).unwrap();
+    }
+
+    #[test]
+    fn the_lock_file_lives_only_while_held_and_waiters_follow_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path());
+        let path = dir.path().join(".z.lock");
+        let (first, _) = store.lock("z", || Ok(())).unwrap();
+        assert!(path.exists());
+        // A waiter holds the file the first holder removes on release; it must go on to
+        // lock the file that is at the path afterwards, not the removed one.
+        let waiter = std::thread::spawn({
+            let store = store.clone();
+            move || store.lock("z", || Ok(())).unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        drop(first);
+        let (second, waited) = waiter.join().unwrap();
+        assert!(waited);
+        assert!(path.exists(), "the holder's file is at the path");
+        // While the second holds it, nobody else gets it.
+        let mut polls = 0;
+        let err = store
+            .lock("z", || {
+                polls += 1;
+                if polls == 2 {
+                    Err(Error::Interrupted)
+                } else {
+                    Ok(())
+                }
+            })
+            .unwrap_err();
+        assert!(matches!(err, Error::Interrupted));
+        drop(second);
+        assert!(!path.exists(), "no lock file is left behind");
     }
 
     #[test]
