@@ -22,6 +22,7 @@ __all__ = [
     "StaleCacheError",
     "TransformError",
     "WeightError",
+    "WorkerError",
 ]
 
 
@@ -78,6 +79,10 @@ class ArgumentError(DatasetRTError, ValueError):
 
 class TransformError(DatasetRTError, RuntimeError):
     """A loader's ``transform`` raised on a sample; the message names the sample."""
+
+
+class WorkerError(DatasetRTError, RuntimeError):
+    """A loader's worker process did not start in time, or died while sending a batch."""
 
 
 class LoaderStateError(DatasetRTError, ValueError):

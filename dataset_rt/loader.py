@@ -73,43 +73,6 @@ def _plan_dir() -> str:
     return tempfile.mkdtemp(prefix="dataset_rt-loader-", dir=base)
 
 
-class _Portable:
-    """A callable that travels to worker processes with dill when pickle cannot take it."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        import dill
-
-        return (_from_dill, (dill.dumps(self.fn, recurse=True),))
-
-
-def _from_dill(data: bytes) -> _Portable:
-    import dill
-
-    return _Portable(dill.loads(data))
-
-
-def _portable(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` if it pickles; else ``fn`` wrapped for dill; else a clear error."""
-    try:
-        pickle.dumps(fn)
-    except Exception as exc:
-        try:
-            import dill  # noqa: F401
-        except ImportError:
-            raise ArgumentError(
-                f"{name}={fn!r} cannot be sent to worker processes: define it at module level "
-                "(lambdas and local functions do not pickle), or pip install dill"
-            ) from exc
-        return _Portable(fn)
-    return fn
-
-
 @dataclass(frozen=True)
 class LoaderSpec:
     """Everything a process needs to read a loader's batches; small and picklable."""
@@ -279,7 +242,9 @@ class Loader:
 
     A loader snapshots its frame when built: later edits of the frame or of the cache's
     metadata do not change it. Iterating yields this rank's batches of the current epoch,
-    from where the last iteration (or :meth:`load_state_dict`) left off.
+    from where the last iteration (or :meth:`load_state_dict`) left off; iterating again
+    after an epoch ended moves on to the next epoch, so every pass draws anew even where
+    nothing calls :meth:`set_epoch` (PyTorch Lightning, a loop that forgets it).
     """
 
     def __init__(
@@ -341,10 +306,6 @@ class Loader:
         if views:
             # The same function without the class's Python-level __call__ in between.
             decoders = tuple(functools.partial(loads, copy=d.copy) for d in decoders)  # type: ignore[attr-defined]
-        if self._num_workers > 0:
-            decoders = tuple(_portable("decode", d) for d in decoders)
-            transform = _portable("transform", transform) if transform is not None else None
-            collate = _portable("collate", collate)
 
         directory = _plan_dir()
         self._cleanup = weakref.finalize(self, shutil.rmtree, directory, True)
@@ -365,6 +326,12 @@ class Loader:
             verify=bool(verify),
             views=views,
         )
+        self._packed = b""
+        if self._num_workers > 0:
+            from dataset_rt.workers import pack
+
+            # Packed once, here, so that a function workers cannot receive fails now.
+            self._packed = pack(self._spec)
         self._epoch = 0
         self._cursor = 0
         self._stats = LoaderStats()
@@ -405,7 +372,10 @@ class Loader:
                 "rows to records, and a shuffled loader draws by weight"
             )
         if data.height == 0:
-            raise MetadataError("the frame has no rows: there is nothing to load")
+            raise MetadataError(
+                "the frame has no rows (a filter removed them all, or its cache is empty): "
+                "there is nothing to load"
+            )
         cache_ids = data["cache_id"].cast(pl.String)
         ids = data["sample_id"]
         if cache_ids.null_count() or not ids.dtype.is_integer() or ids.null_count():
@@ -453,8 +423,10 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose draws the next iteration yields.
 
-        Setting the epoch the loader is already in keeps its position, so that a loop that
-        calls ``set_epoch`` at the top of every epoch resumes mid-epoch after
+        Calling it is optional: a loader moves to the next epoch by itself when it is
+        iterated again after an epoch ended. A loop that calls ``set_epoch(epoch)`` at the
+        top of every epoch sees the same draws either way. Setting the epoch the loader is
+        already in keeps its position, so such a loop resumes mid-epoch after
         :meth:`load_state_dict`.
         """
         epoch = _check_int("epoch", epoch, 0, 2**63 - 1)
@@ -520,7 +492,10 @@ class Loader:
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         if self._cursor >= self._total:
-            self._cursor = 0  # a finished epoch starts over, as a PyTorch loader does
+            # A finished epoch moves on to the next one, as a shuffling PyTorch DataLoader
+            # draws a new order on every pass: epoch e's state at its end resumes in e + 1.
+            self._epoch += 1
+            self._cursor = 0
         schedule = self._schedule(self._cursor)
         if self._num_workers == 0:
             batches: Iterator[Any] = self._local(schedule)
@@ -528,7 +503,9 @@ class Loader:
             from dataset_rt.workers import worker_batches
 
             batches = self._timed_workers(
-                worker_batches(self._spec, schedule, self._epoch, self._num_workers)
+                worker_batches(
+                    self._packed, schedule, self._epoch, self._num_workers, self._spec.depth
+                )
             )
         return self._counted(schedule, batches)
 

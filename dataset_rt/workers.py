@@ -5,23 +5,93 @@ own native prefetch thread, decodes, transforms and collates them, and sends bac
 collated batch (PyTorch moves tensors through shared memory). The DataLoader takes one
 batch from each worker in turn, so batches arrive in the same order as without workers.
 
-Workers are started with ``forkserver`` (or ``spawn`` where that is missing), never plain
-``fork``: a child forked from a process whose Polars thread pool has run can deadlock.
+How workers start, and why:
+
+- Never by plain ``fork``: a child forked from a process whose Polars thread pool has run
+  can deadlock. Workers fork from a ``forkserver`` (``spawn`` where there is none) that has
+  already imported PyTorch and dataset_rt, so each epoch's workers start in milliseconds.
+- Without running the user's main module again. ``multiprocessing`` normally re-executes a
+  script's ``__main__`` in every child it does not fork from the parent; a script without
+  an ``if __name__ == "__main__":`` guard would then build a loader, start processes or join
+  a ``torch.distributed`` group inside each worker, and fail or wait forever. The workers
+  need nothing from ``__main__``: ``decode``, ``transform`` and ``collate`` travel to them
+  with cloudpickle, by reference when they can be imported and by value when they live in
+  ``__main__``, a notebook cell or a function body.
+- Within a bounded time. Each worker reports that it started before reading; a worker that
+  has not done so after :data:`START_TIMEOUT` seconds is a :class:`WorkerError`, and a
+  worker that dies is reported by PyTorch within seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
+import multiprocessing.context
+import multiprocessing.popen_forkserver
+import multiprocessing.popen_spawn_posix
+import multiprocessing.spawn
+import os
+import pickle
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import cloudpickle
 import torch.utils.data as tud
 
 from dataset_rt import _native
+from dataset_rt.errors import ArgumentError, WorkerError
 from dataset_rt.loader import LoaderSpec, assemble
 
-__all__ = ["worker_batches"]
+__all__ = ["START_TIMEOUT", "pack", "worker_batches"]
+
+START_TIMEOUT = float(os.environ.get("DATASET_RT_WORKER_START_TIMEOUT", "120"))
+"""Seconds a worker process may take to start before the loader gives up on it
+(``$DATASET_RT_WORKER_START_TIMEOUT``, default 120)."""
+
+_STARTED = "dataset_rt: worker started"
+_START_POLL = 2.0
+"""Seconds between checks for dead workers while waiting for workers to start."""
+
+
+def pack(spec: LoaderSpec) -> bytes:
+    """``spec`` as bytes a worker can load without the parent's ``__main__`` module.
+
+    Raises
+    ------
+    ArgumentError
+        ``decode``, ``transform`` or ``collate`` cannot be sent to another process (it holds
+        a lock, an open file, a generator, ...).
+    """
+    try:
+        return bytes(cloudpickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:
+        culprit = next(
+            (
+                f"{name}={fn!r}"
+                for name, fn in (
+                    ("transform", spec.transform),
+                    ("collate", spec.collate),
+                    ("decode", spec.decoders),
+                )
+                if not _pickles(fn)
+            ),
+            "the loader's functions",
+        )
+        raise ArgumentError(
+            f"{culprit} cannot be sent to worker processes ({exc}); use num_workers=0, or a "
+            "function that does not hold locks, open files or other per-process state"
+        ) from exc
+
+
+def _pickles(obj: Any) -> bool:
+    try:
+        cloudpickle.dumps(obj)
+    except Exception:
+        return False
+    return True
 
 
 def _keep(batch: Any) -> Any:
@@ -29,18 +99,22 @@ def _keep(batch: Any) -> Any:
 
 
 class _WorkerStream(tud.IterableDataset[Any]):
-    def __init__(self, spec: LoaderSpec, schedule: _native.Schedule, epoch: int) -> None:
-        self.spec = spec
+    def __init__(self, packed: bytes, schedule: _native.Schedule, epoch: int) -> None:
+        self.packed = packed
         self.schedule = schedule
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[Any]:
+        # Loaded here rather than when the process starts, so that a function that cannot be
+        # loaded in the worker is an exception the DataLoader re-raises in the main process.
+        spec: LoaderSpec = pickle.loads(self.packed)
+        yield _STARTED
         info = tud.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         # The DataLoader already keeps prefetch_factor collated batches per worker in flight;
         # a native read-ahead of one batch overlaps reading with decoding. A deeper one would
         # only hold more batch buffers per worker.
-        spec = dataclasses.replace(self.spec, depth=1)
+        spec = dataclasses.replace(spec, depth=1)
         for batch in spec.stream(self.schedule, self.epoch, worker, workers):
             times = [0.0, 0.0, 0.0]
             out = assemble(batch, spec, times)
@@ -48,10 +122,70 @@ class _WorkerStream(tud.IterableDataset[Any]):
             yield out, len(batch), batch.nbytes, times
 
 
-def _context() -> Any:
+# -- starting processes without the main module ---------------------------------------------
+_launching = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_module_left_alone() -> Iterator[None]:
+    """While a worker is launched, tell it not to import the parent's ``__main__``.
+
+    ``multiprocessing`` has no switch for this: the data a new process prepares itself from
+    comes from ``spawn.get_preparation_data``, which both start methods call by module
+    attribute. It is replaced only for the duration of one launch, under a lock.
+    """
+    with _launching:
+        original = multiprocessing.spawn.get_preparation_data
+
+        def without_main(name: str) -> dict[str, Any]:
+            data: dict[str, Any] = original(name)
+            data.pop("init_main_from_name", None)
+            data.pop("init_main_from_path", None)
+            return data
+
+        multiprocessing.spawn.get_preparation_data = without_main
+        try:
+            yield
+        finally:
+            multiprocessing.spawn.get_preparation_data = original
+
+
+class _ForkServerPopen(multiprocessing.popen_forkserver.Popen):
+    def _launch(self, process_obj: Any) -> None:
+        with _main_module_left_alone():
+            super()._launch(process_obj)  # type: ignore[misc]  # untyped in typeshed
+
+
+class _SpawnPopen(multiprocessing.popen_spawn_posix.Popen):
+    def _launch(self, process_obj: Any) -> None:
+        with _main_module_left_alone():
+            super()._launch(process_obj)  # type: ignore[misc]  # untyped in typeshed
+
+
+class _ForkServerProcess(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _ForkServerPopen(process_obj)
+
+
+class _SpawnProcess(multiprocessing.context.SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _SpawnPopen(process_obj)
+
+
+class _ForkServerContext(multiprocessing.context.ForkServerContext):
+    Process = _ForkServerProcess
+
+
+class _SpawnContext(multiprocessing.context.SpawnContext):
+    Process = _SpawnProcess
+
+
+def _context() -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
+        return _SpawnContext()
+    context = _ForkServerContext()
     # Workers fork from a server that has already imported PyTorch and this module, so each
     # epoch's workers start in milliseconds instead of importing PyTorch again. (This only
     # takes effect if the process's fork server is not running yet.)
@@ -60,25 +194,43 @@ def _context() -> Any:
 
 
 def worker_batches(
-    spec: LoaderSpec, schedule: _native.Schedule, epoch: int, num_workers: int
+    packed: bytes, schedule: _native.Schedule, epoch: int, num_workers: int, depth: int
 ) -> Iterator[Any]:
-    """Yields the rank's batches from ``schedule``, read by ``num_workers`` processes."""
+    """Yields the rank's batches from ``schedule``, read by ``num_workers`` processes.
+
+    ``packed`` is the loader's spec from :func:`pack`; ``depth`` the batches to keep in flight.
+    """
     loader = tud.DataLoader(
-        _WorkerStream(spec, schedule, epoch),
+        _WorkerStream(packed, schedule, epoch),
         batch_size=None,
         collate_fn=_keep,
         num_workers=num_workers,
         multiprocessing_context=_context(),
-        prefetch_factor=max(1, -(-spec.depth // num_workers)),
+        prefetch_factor=max(1, -(-depth // num_workers)),
         persistent_workers=False,
     )
     iterator = iter(loader)
+    # Until every worker has reported, wait for items in short slices: between slices
+    # PyTorch checks that no worker died, and the start deadline is checked here.
+    deadline = time.monotonic() + START_TIMEOUT
+    iterator._timeout = min(_START_POLL, START_TIMEOUT)
+    started = 0
     try:
         while True:
             try:
                 item = next(iterator)
             except StopIteration:
                 return
+            except RuntimeError as exc:
+                if started < num_workers and "timed out" in str(exc):
+                    if time.monotonic() < deadline:
+                        continue  # PyTorch's iterator is unchanged by a timeout: wait again
+                    raise WorkerError(
+                        f"{num_workers - started} of {num_workers} loader worker processes "
+                        f"did not start within {START_TIMEOUT:g} s (set "
+                        "DATASET_RT_WORKER_START_TIMEOUT to wait longer, or use num_workers=0)"
+                    ) from exc
+                raise
             except (ConnectionError, EOFError, FileNotFoundError) as exc:
                 # A worker killed just after queueing a batch leaves a tensor whose file
                 # descriptor can no longer be fetched: PyTorch then surfaces the broken
@@ -86,9 +238,16 @@ def worker_batches(
                 dead = _dead_workers(iterator)
                 if not dead:
                     raise
-                raise RuntimeError(
+                raise WorkerError(
                     f"DataLoader worker ({dead}) exited unexpectedly while sending a batch"
                 ) from exc
+            if isinstance(item, str) and item == _STARTED:
+                started += 1
+                if started == num_workers:
+                    # Every worker runs: from here on a batch may take as long as the user's
+                    # transform needs. PyTorch still reports a worker that dies.
+                    iterator._timeout = 0
+                continue
             yield item
     finally:
         shutdown = getattr(iterator, "_shutdown_workers", None)

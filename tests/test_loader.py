@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -108,12 +109,50 @@ def test_epoch_and_draws_match_what_the_loader_yields(cache: drt.Cache) -> None:
 def test_epochs_differ_and_repeat(cache: drt.Cache) -> None:
     loader = cache.metadata.drt.loader(batch_size=50, seed=9, collate=list)
     first = ids_of(list(loader))
-    assert ids_of(list(loader)) == first, "iterating a finished epoch again repeats it"
-    loader.set_epoch(1)
+    assert loader.epoch == 0
     second = ids_of(list(loader))
+    assert loader.epoch == 1, "iterating a finished epoch again moves to the next one"
     assert second != first
+    loader.set_epoch(1)  # the epoch it is in, finished: iterating moves on to epoch 2
+    third = ids_of(list(loader))
+    assert loader.epoch == 2 and third not in (first, second)
     loader.set_epoch(0)
     assert ids_of(list(loader)) == first
+    loader.set_epoch(1)
+    assert ids_of(list(loader)) == second
+
+
+def test_a_loop_calling_set_epoch_sees_what_it_saw_before(cache: drt.Cache) -> None:
+    frame = cache.metadata
+    explicit = frame.drt.loader(batch_size=40, seed=2, collate=list)
+    automatic = frame.drt.loader(batch_size=40, seed=2, collate=list)
+    for epoch in range(3):
+        explicit.set_epoch(epoch)
+        assert ids_of(list(explicit)) == ids_of(list(automatic))
+        assert automatic.epoch == epoch
+
+
+def test_state_across_the_automatic_advance(cache: drt.Cache) -> None:
+    frame = cache.metadata
+    reference = frame.drt.loader(batch_size=25, seed=4, collate=list)
+    epochs = [ids_of(list(reference)) for _ in range(4)]
+
+    loader = frame.drt.loader(batch_size=25, seed=4, collate=list)
+    for _ in range(3):
+        list(loader)
+    end_of_2 = loader.state_dict()
+    assert end_of_2["epoch"] == 2 and end_of_2["position"] == end_of_2["total"]
+    iterator = iter(loader)
+    head = ids_of([next(iterator), next(iterator)])
+    mid_3 = loader.state_dict()
+    assert mid_3["epoch"] == 3 and mid_3["position"] == 50
+
+    resumed = frame.drt.loader(batch_size=25, seed=4, collate=list)
+    resumed.load_state_dict(mid_3)  # mid-epoch 3 continues epoch 3
+    assert head + ids_of(list(resumed)) == epochs[3]
+    resumed = frame.drt.loader(batch_size=25, seed=4, collate=list)
+    resumed.load_state_dict(end_of_2)  # the end of epoch 2 starts epoch 3
+    assert ids_of(list(resumed)) == epochs[3] and resumed.epoch == 3
 
 
 def test_same_stream_for_any_prefetch_and_without_torch(cache: drt.Cache) -> None:
@@ -316,20 +355,26 @@ def test_bad_arguments_and_frames(cache: drt.Cache) -> None:
         frame.with_columns(sample_id=pl.col("sample_id") + 1).drt.loader(batch_size=1)
 
 
-def test_unpicklable_callables_for_workers(
+def test_lambdas_reach_workers_and_unsendable_callables_fail_at_once(
     cache: drt.Cache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     frame = cache.metadata
-    # With dill installed, a lambda travels to the workers.
+    # Without dill: lambdas and closures travel to the workers by value.
+    monkeypatch.setitem(sys.modules, "dill", None)
+    offset = 1000
     loader = frame.drt.loader(
-        batch_size=100, num_workers=1, seed=0, collate=list, transform=lambda r: r["x"][0].item()
+        batch_size=100,
+        num_workers=1,
+        seed=0,
+        collate=list,
+        transform=lambda r: r["x"][0].item() + offset,
     )
     reference = ids_of(list(frame.drt.loader(batch_size=100, seed=0, collate=list)))
-    assert [i for b in loader for i in b] == reference
-    # Without it, the error says what to do.
-    monkeypatch.setitem(sys.modules, "dill", None)
+    assert [i - offset for b in loader for i in b] == reference
+    # A function holding per-process state is refused before any worker starts.
+    lock = threading.Lock()
     with pytest.raises(ArgumentError, match="transform=.* cannot be sent to worker"):
-        frame.drt.loader(batch_size=1, num_workers=1, transform=lambda r: r)
+        frame.drt.loader(batch_size=1, num_workers=1, transform=lambda r: (lock, r))
 
 
 def test_a_rebuilt_cache_fails_loudly(cache: drt.Cache) -> None:
