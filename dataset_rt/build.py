@@ -202,7 +202,7 @@ def _build(
     total = len(records) if hasattr(records, "__len__") else None  # type: ignore[arg-type]
     builder = store.begin_build(lock, shard_size, alignment)
     collector = MetadataCollector()
-    bar = BuildProgress(name, enabled=progress, total=total)
+    bar = BuildProgress(name, nbytes=lambda: builder.nbytes, enabled=progress, total=total)
     ok = False
     append = builder.append
     add_metadata = collector.add
@@ -224,9 +224,8 @@ def _build(
                 except Exception as exc:
                     raise MetadataError(f"metadata() raised on record {index}: {exc!r}") from exc
                 add_metadata(index, values)
-            if not index & 0xFF:
-                bar.update(index + 1, builder.nbytes)
-        bar.update(index + 1, builder.nbytes)
+            bar.update(index + 1)
+        bar.update(index + 1)
         frame = collector.frame(builder.cache_id, builder.num_samples)
         path = builder.metadata_path(FIRST_METADATA_VERSION)
         frame.write_parquet(path)

@@ -233,12 +233,15 @@ def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str
             f"sample_id {_first(duplicated, ids)} appears more than once; each sample has one "
             "row (use the weight to sample it more often)"
         )
-    weight = check_weights(frame["weight"], ids)
+    # An empty cache has an empty table, and that is all it can have.
+    weight = check_weights(frame["weight"], ids, allow_empty=num_samples == 0)
     return frame.with_columns(ids.cast(pl.Int64), weight)
 
 
-def check_weights(weight: pl.Series, ids: pl.Series) -> pl.Series:
+def check_weights(weight: pl.Series, ids: pl.Series, *, allow_empty: bool = False) -> pl.Series:
     """Checks sampling weights; returns them as Float64. Errors name the sample_id.
+
+    ``allow_empty`` accepts a column without rows (the table of an empty cache).
 
     Raises
     ------
@@ -254,7 +257,7 @@ def check_weights(weight: pl.Series, ids: pl.Series) -> pl.Series:
             f"weight {_first(bad, weight)} of sample_id {_first(bad, ids)} is not allowed; "
             "weights must be finite and non-negative"
         )
-    if not weight.sum() > 0:
+    if not weight.sum() > 0 and not (allow_empty and weight.len() == 0):
         raise WeightError(
             "all weights are zero (or the table is empty): nothing could ever be drawn"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 __all__ = ["BuildProgress", "format_bytes"]
@@ -26,41 +27,49 @@ def _interactive(stream: TextIO) -> bool:
 
 
 class BuildProgress:
-    """Redraws one status line at most every ``interval`` seconds while a cache is built.
+    """Reports a build's progress on one status line, by time rather than by record count.
 
-    On a terminal or in a notebook the line updates in place; elsewhere (logs, CI) only the
-    final summary is printed, so log files are not flooded.
+    On a terminal or in a notebook the line is drawn at the first record and then redrawn in
+    place every ``interval`` seconds, however slow each record is. Elsewhere (logs, CI) a
+    line is printed every ``log_interval`` seconds, so a long build shows it is alive
+    without flooding the log, and a fast one prints only its final summary.
+
+    ``nbytes`` returns the bytes written so far; it is only called when a line is drawn.
     """
 
     def __init__(
         self,
         name: str,
         *,
+        nbytes: Callable[[], int],
         enabled: bool = True,
         total: int | None = None,
         stream: TextIO | None = None,
         interval: float = 0.2,
+        log_interval: float = 30.0,
     ) -> None:
         self._name = name
         self._enabled = enabled
         self._total = total
+        self._nbytes = nbytes
         self._stream = stream if stream is not None else sys.stderr
         self._live = enabled and _interactive(self._stream)
-        self._interval = interval
+        self._interval = interval if self._live else log_interval
         self._start = time.perf_counter()
-        self._next_draw = self._start + interval
+        # A live line shows the first record at once; a log's first line waits an interval.
+        self._next_draw = self._start if self._live else self._start + self._interval
         self.records = 0
         self.nbytes = 0
 
-    def update(self, records: int, nbytes: int) -> None:
-        """Sets the totals so far; redraws if the last draw is old enough."""
+    def update(self, records: int) -> None:
+        """Sets the records so far; draws a line if the last one is old enough."""
         self.records = records
-        self.nbytes = nbytes
-        if self._live:
+        if self._enabled:
             now = time.perf_counter()
             if now >= self._next_draw:
                 self._next_draw = now + self._interval
-                self._draw(now, end="")
+                self.nbytes = self._nbytes()
+                self._draw(now, end="" if self._live else "\n")
 
     def _line(self, now: float) -> str:
         elapsed = max(now - self._start, 1e-9)
@@ -73,7 +82,7 @@ class BuildProgress:
         )
 
     def _draw(self, now: float, end: str) -> None:
-        self._stream.write("\r" + self._line(now) + end)
+        self._stream.write(("\r" if self._live else "") + self._line(now) + end)
         self._stream.flush()
 
     def close(self, *, ok: bool) -> None:
@@ -81,6 +90,7 @@ class BuildProgress:
         if not self._enabled:
             return
         if ok:
+            self.nbytes = self._nbytes()
             self._draw(time.perf_counter(), end="\n")
         elif self._live:
             self._stream.write("\n")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,12 +121,19 @@ def test_no_metadata_function_still_gives_ids_and_weights() -> None:
     assert df.columns == ["cache_id", "sample_id", "weight"]
 
 
-def test_empty_source_makes_an_empty_cache() -> None:
+def test_empty_source_makes_an_empty_cache_valid_everywhere() -> None:
     c = drt.cache([], "empty", metadata=lambda r: {"x": 1}, progress=False)
     assert len(c) == 0
     assert c.metadata.height == 0
     with pytest.raises(drt.errors.SampleIndexError):
         c.get(0)
+    assert drt.open("empty").cache_id == c.cache_id
+    report = drt.verify("empty", progress=False)
+    assert report.ok, str(report)
+    c.save_metadata(c.metadata)  # its empty table is a valid table
+    assert drt.verify("empty", progress=False).ok
+    with pytest.raises(drt.errors.MetadataError, match="no rows .*its cache is empty"):
+        c.metadata.drt.loader(batch_size=4)
 
 
 def test_dill_and_custom_serializers() -> None:
@@ -153,6 +162,38 @@ def test_progress_line_reports_records_and_bytes(capsys: pytest.CaptureFixture[s
     assert "rec/s" in err
     drt.cache(range(100), "quiet", progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_progress_shows_the_first_record_at_once_and_redraws_by_time(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dataset_rt import progress
+
+    monkeypatch.setattr(progress, "_interactive", lambda stream: True)  # as on a terminal
+    seen: list[str] = []
+
+    def slow_records() -> Iterator[bytes]:
+        for i in range(4):
+            if i:
+                seen.append(capsys.readouterr().err)
+                time.sleep(0.3)  # a slow record: the line must move while it is made
+            yield bytes(1000)
+
+    drt.cache(slow_records(), "slow", progress=True)
+    seen.append(capsys.readouterr().err)
+    assert "caching 'slow': 1 records" in seen[0], "the first record shows at once"
+    assert all("\r" in s for s in seen[1:]), seen
+    assert "caching 'slow': 4 records" in seen[-1]
+
+
+def test_builds_leave_no_lock_files(tmp_path: Path) -> None:
+    root = tmp_path / "caches"
+    drt.cache(range(3), "built", root=root, progress=False)
+    with pytest.raises(SerializationError):
+        drt.cache([1, lambda: 2], "failed", root=root, progress=False)
+    c = drt.open("built", root=root)
+    c.save_metadata(c.metadata.with_columns(weight=pl.lit(2.0)))
+    assert sorted(p.name for p in root.iterdir()) == ["built"]
 
 
 # -- bad input ------------------------------------------------------------------------------
