@@ -66,13 +66,28 @@ class BenchResult:
         return f"{self.table()}\n\nbottleneck: {self.bottleneck}. {self.advice}"
 
 
-def _verdict(raw: Stage, decoded: Stage, loader: Stage) -> tuple[str, str]:
-    # Each stage includes the ones before it, so the time a stage adds is the difference
-    # of per-sample times.
+def _torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _verdict(raw: Stage, decoded: Stage, loader: Stage, *, has_torch: bool) -> tuple[str, str]:
+    # Each stage includes the ones before it, so the time a stage adds is the difference of
+    # per-sample times. Timing noise can make a later stage faster than an earlier one: a
+    # stage never costs less than nothing, and shares are of the stages' sum.
     per = [1 / max(s.samples_per_s, 1e-9) for s in (raw, decoded, loader)]
-    costs = {"I/O": per[0], "decode": per[1] - per[0], "collate": per[2] - per[1]}
+    costs = {
+        "I/O": per[0],
+        "decode": max(per[1] - per[0], 0.0),
+        "collate": max(per[2] - per[1], 0.0),
+    }
     worst = max(costs, key=lambda k: costs[k])
-    share = costs[worst] / per[2] if per[2] > 0 else 0.0
+    total = sum(costs.values())
+    share = costs[worst] / total if total > 0 else 0.0
+    parallel = (
+        "Use more workers (num_workers) to decode in parallel"
+        if has_torch
+        else "Install PyTorch to decode in worker processes (num_workers)"
+    )
     advice = {
         "I/O": (
             "Reading the records' bytes takes most of the time: the data are not in the page "
@@ -80,16 +95,15 @@ def _verdict(raw: Stage, decoded: Stage, loader: Stage) -> tuple[str, str]:
             "enough RAM to hold it; more workers will not help much."
         ),
         "decode": (
-            "Decoding the bytes into records takes most of the time. Use more workers "
-            "(num_workers) to decode in parallel, or store records in a cheaper form "
-            "(arrays rather than many small Python objects)."
+            f"Decoding the bytes into records takes most of the time. {parallel}, or store "
+            "records in a cheaper form (arrays rather than many small Python objects)."
         ),
         "collate": (
             "Collating decoded records into batches takes most of the time. Return fewer, "
             "larger arrays per record, or pass a collate function suited to your records."
         ),
     }[worst]
-    return worst, f"It accounts for {share:.0%} of the loader's time per sample. {advice}"
+    return worst, f"It takes {share:.0%} of the time per sample without workers. {advice}"
 
 
 def bench(
@@ -98,7 +112,7 @@ def bench(
     root: PathLike | None = None,
     samples: int = 20_000,
     batch_size: int = 64,
-    workers: Sequence[int] = (0, 2),
+    workers: Sequence[int] | None = None,
     seed: int = 0,
 ) -> BenchResult:
     """Measures raw reads, decoding and the loader on cache ``name``.
@@ -118,7 +132,8 @@ def bench(
     batch_size
         Samples per batch.
     workers
-        Worker counts to measure the loader at; counts above 0 need PyTorch.
+        Worker counts to measure the loader at; counts above 0 need PyTorch. By default 0
+        and 2 where PyTorch is installed, else 0 alone (the result says so).
     seed
         Seed of the draws.
 
@@ -133,12 +148,18 @@ def bench(
     """
     if samples < 1 or batch_size < 1:
         raise ArgumentError(f"samples and batch_size must be positive, got {samples}, {batch_size}")
-    has_torch = importlib.util.find_spec("torch") is not None
-    counts = sorted({int(w) for w in workers})
-    if any(w < 0 for w in counts) or not counts:
-        raise ArgumentError(f"workers must be counts >= 0, got {list(workers)}")
-    if not has_torch:
-        counts = [0]
+    has_torch = _torch_installed()
+    if workers is None:
+        counts = [0, 2] if has_torch else [0]
+    else:
+        counts = sorted({int(w) for w in workers})
+        if any(w < 0 for w in counts) or not counts:
+            raise ArgumentError(f"workers must be counts >= 0, got {list(workers)}")
+        if not has_torch and counts != [0]:
+            raise ArgumentError(
+                f"workers={list(workers)}: loaders with workers run PyTorch DataLoader "
+                "workers, and PyTorch is not installed (pip install torch, or measure 0)"
+            )
     cache = open_cache(name, root=root)
     frame = cache.metadata
 
@@ -178,14 +199,14 @@ def bench(
             Stage(f"loader, {w} workers", samples, total_bytes, time.perf_counter() - start)
         )
     best_loader = max(stages[2:], key=lambda s: s.samples_per_s)
-    bottleneck, advice = _verdict(stages[0], stages[1], stages[2])
+    bottleneck, advice = _verdict(stages[0], stages[1], stages[2], has_torch=has_torch)
     if best_loader is not stages[2]:
         advice += (
             f" With workers the loader reaches {best_loader.samples_per_s:,.0f} samples/s "
             f"({best_loader.name})."
         )
     if not has_torch:
-        advice += " PyTorch is not installed, so only the loader without workers was measured."
+        advice += " PyTorch is not installed: loaders with workers were not measured."
     return BenchResult(cache.name, stages, bottleneck, advice)
 
 

@@ -25,7 +25,7 @@ from dataset_rt.errors import (
 )
 from dataset_rt.metadata import checked_edit
 from dataset_rt.progress import format_bytes
-from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for
+from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for, serializer_name
 
 if TYPE_CHECKING:
     from dataset_rt.verify import VerifyReport
@@ -96,8 +96,11 @@ class Cache:
 
     @property
     def serializer(self) -> str:
-        """How the records were serialized: ``pickle``, ``dill`` or ``custom:<name>``."""
-        return str(self._manifest["serializer"])
+        """How the records were serialized, as ``drt.cache(serializer=...)`` names it.
+
+        ``pickle``, ``pickle-inband``, ``dill`` or ``custom:<module>.<function>``.
+        """
+        return serializer_name(str(self._manifest["serializer"]))
 
     @property
     def decoder(self) -> Decoder | None:
@@ -475,7 +478,7 @@ def list_caches(root: PathLike | None = None) -> pl.DataFrame:
                 "samples": m["num_samples"],
                 "bytes": m["nbytes"],
                 "shards": len(m["shards"]),
-                "serializer": m["serializer"],
+                "serializer": serializer_name(str(m["serializer"])),
                 "created": datetime.fromisoformat(m["created_at"]),
             }
         )

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 import polars as pl
 
 from dataset_rt.cache import list_caches, open
-from dataset_rt.errors import DatasetRTError
+from dataset_rt.errors import ArgumentError, DatasetRTError
 from dataset_rt.progress import format_bytes
+from dataset_rt.serialize import describe_serializer
 
 __all__ = ["main"]
 
@@ -25,8 +26,27 @@ def _ls(args: argparse.Namespace) -> None:
     if table.is_empty():
         print("no caches")
         return
-    with pl.Config(tbl_rows=-1, tbl_hide_dataframe_shape=True):
-        print(table)
+    rows = [("NAME", "SAMPLES", "SIZE", "SHARDS", "SERIALIZER", "CREATED (UTC)", "CACHE_ID")]
+    for r in table.iter_rows(named=True):
+        rows.append(
+            (
+                r["name"],
+                f"{r['samples']:,}",
+                format_bytes(r["bytes"]),
+                str(r["shards"]),
+                r["serializer"],
+                f"{r['created']:%Y-%m-%d %H:%M}",
+                r["cache_id"],
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    numeric = {1, 2, 3}
+    for row in rows:
+        cells = [
+            cell.rjust(w) if i in numeric else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  ".join(cells).rstrip())
 
 
 def _info(args: argparse.Namespace) -> None:
@@ -36,7 +56,7 @@ def _info(args: argparse.Namespace) -> None:
     print(f"cache_id    {c.cache_id}")
     print(f"samples     {len(c):,}")
     print(f"size        {format_bytes(c.nbytes)} in {c.num_shards} shard(s)")
-    print(f"serializer  {c.serializer}")
+    print(f"serializer  {c.serializer} ({describe_serializer(c.serializer)})")
     print(f"created     {c.created_at:%Y-%m-%d %H:%M:%S} UTC")
     versions = c.metadata_versions()["version"].to_list()
     print(f"metadata    version {c.metadata_version} (saved: {', '.join(map(str, versions))})")
@@ -74,6 +94,16 @@ def _workers(text: str) -> list[int]:
     if any(c < 0 for c in counts):
         raise argparse.ArgumentTypeError(f"worker counts must be >= 0: {text!r}")
     return counts
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -125,9 +155,15 @@ def _parser() -> argparse.ArgumentParser:
         help="measure raw reads, decoding and the loader on a cache; name the bottleneck",
     )
     p.add_argument("name", help="the cache's name")
-    p.add_argument("--samples", type=int, default=20_000, help="draws per pass (20000)")
-    p.add_argument("--batch-size", type=int, default=64, help="samples per batch (64)")
-    p.add_argument("--workers", type=_workers, default=[0, 2], help="worker counts to try (0,2)")
+    p.add_argument("--samples", type=_positive, default=20_000, help="draws per pass (20000)")
+    p.add_argument("--batch-size", type=_positive, default=64, help="samples per batch (64)")
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        default=None,
+        help="worker counts to try (default 0,2 with PyTorch installed, else 0; counts above 0 "
+        "need PyTorch)",
+    )
     p.set_defaults(func=_bench)
     p = sub.add_parser(
         "demo", parents=[common], help="cache scikit-learn's digits and read them back"
@@ -139,9 +175,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         code = args.func(args)
+    except ArgumentError as exc:
+        # A value argparse could not check by itself: a usage error like argparse's own.
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     except DatasetRTError as exc:
         print(f"dataset-rt: error: {exc}", file=sys.stderr)
         return 1

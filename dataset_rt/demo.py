@@ -8,6 +8,7 @@ import polars as pl
 
 from dataset_rt.build import cache
 from dataset_rt.cache import Cache, PathLike
+from dataset_rt.serialize import describe_serializer
 
 __all__ = ["DEMO_NAME", "digits_cache", "run"]
 
@@ -50,18 +51,32 @@ def digits_cache(
 def run(root: PathLike | None = None, *, overwrite: bool = False) -> Cache:
     """Builds (or reuses) the demo cache and prints what a user would look at first."""
     digits = digits_cache(root, overwrite=overwrite)
-    print(digits)
+    print(
+        f"scikit-learn's {len(digits):,} handwritten digits, cached as one record each "
+        "(an 8x8 image and its label):"
+    )
+    print(f"  {digits}")
+    print(f"  serializer {digits.serializer!r}: {describe_serializer(digits.serializer)}")
+    print()
+    print(
+        "The metadata table: one row per record, with the columns the metadata function "
+        "returned\n(label, and ink = the sum of the image's pixel intensities) and a "
+        "sampling weight:"
+    )
+    print(digits.metadata.head(3))
     print()
     counts = (
         digits.metadata.group_by("label")
         .agg(samples=pl.len(), mean_ink=pl.col("ink").mean().round(1))
         .sort("label")
     )
-    print("Class counts, from the metadata table alone (no payload was read):")
-    print(counts)
+    print("Records and mean ink per label, from the metadata table alone (no record was read):")
+    with pl.Config(tbl_rows=10):
+        print(counts)
     print()
     record = digits.get(0)
-    print(f"Record 0 read back: label={record['label']}, image {record['image'].shape}:")
+    label, shape = record["label"], record["image"].shape
+    print(f"Record 0 read back with digits.get(0): label={label}, image {shape}:")
     for row in record["image"]:
         print("  " + "".join(" .:-=+*#%@"[min(int(v) * 10 // 17, 9)] for v in row))
     print()
@@ -69,5 +84,9 @@ def run(root: PathLike | None = None, *, overwrite: bool = False) -> Cache:
     weights = digits.metadata.select(
         pl.col("weight").drt.normalize()  # type: ignore[attr-defined]
     ).to_series()
-    print(f"Sampling probabilities from the .drt plugin sum to {weights.sum():.6f}.")
+    print(
+        "pl.col('weight').drt.normalize(), one of dataset_rt's Polars expressions (run in "
+        f"Rust),\nturns the weights into sampling probabilities: they sum to {weights.sum():.6f}."
+    )
+    print(f"\nRun it again and the cache is reused; it lives in {digits.path}.")
     return digits

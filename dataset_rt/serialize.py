@@ -204,9 +204,9 @@ def resolve_serializer(spec: SerializerSpec) -> tuple[str, Serializer]:
         ``(name, serialize)``; custom callables are recorded as ``custom:<module>.<name>``.
     """
     if spec == "pickle":
-        return "pickle-oob", dumps
+        return _STORED_AS["pickle"], dumps
     if spec == "pickle-inband":
-        return "pickle", _pickle_dumps
+        return _STORED_AS["pickle-inband"], _pickle_dumps
     if spec == "dill":
         dill = _import_dill()
 
@@ -224,6 +224,30 @@ def resolve_serializer(spec: SerializerSpec) -> tuple[str, Serializer]:
         "serializer must be 'pickle', 'pickle-inband', 'dill' or a callable returning bytes, "
         f"got {spec!r}"
     )
+
+
+# What the manifest records for each serializer users name. The on-disk names predate the
+# out-of-band format: plain pickle was "pickle" first, so the default became "pickle-oob".
+_STORED_AS = {"pickle": "pickle-oob", "pickle-inband": "pickle"}
+_NAMED = {stored: name for name, stored in _STORED_AS.items()}
+
+_DESCRIPTIONS = {
+    "pickle": "pickle protocol 5; arrays of 64 KiB or more stored apart, read back as views",
+    "pickle-inband": "plain pickle protocol 5; arrays read back as copies",
+    "dill": "dill, which also pickles lambdas and classes defined in __main__",
+}
+
+
+def serializer_name(stored: str) -> str:
+    """The name users pass as ``serializer=`` for what a manifest records as ``stored``."""
+    return _NAMED.get(stored, stored)
+
+
+def describe_serializer(name: str) -> str:
+    """One line saying what a serializer (by the name users pass) writes."""
+    if name.startswith("custom:"):
+        return f"{name[len('custom:') :]}, a custom function; pass decode= to read records"
+    return _DESCRIPTIONS.get(name, name)
 
 
 def decoder_for(serializer: str, *, copy: bool = False) -> Decoder | None:

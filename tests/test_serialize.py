@@ -78,7 +78,7 @@ def test_buffers_are_64_byte_aligned_in_cache_reads_and_loader_batches() -> None
         {"a": np.full(10_000 + 7 * i, i, dtype=np.float64), "b": np.ones(8200)} for i in range(50)
     ]
     cache = drt.cache(records, "aligned", progress=False)
-    assert cache.serializer == "pickle-oob"
+    assert cache.serializer == "pickle"
     for i in (0, 17, 49):
         got = cache.get(i)
         assert got["a"].ctypes.data % 64 == 0 and got["b"].ctypes.data % 64 == 0
@@ -217,7 +217,7 @@ def test_copy_true_arrays_are_private_even_for_records_left_in_the_shard() -> No
 def test_caches_written_in_band_still_read() -> None:
     records = [{"a": np.arange(1000) + i} for i in range(10)]
     cache = drt.cache(records, "inband", serializer="pickle-inband", progress=False)
-    assert cache.serializer == "pickle"
+    assert cache.serializer == "pickle-inband"
     assert cache.get_bytes(0)[:2] == b"\x80\x05"
     got = cache.get(4)["a"]
     assert got.flags.writeable and got[0] == 4
