@@ -233,7 +233,10 @@ class DrtFrameNamespace(_FrameMethods):
         return summary.summary(self._lazy, by, weight=weight, num_samples=num_samples).collect()
 
     def plot(self, by: str, *, weight: str = "weight") -> Any:
-        """Draws the natural vs. weighted distribution of ``by`` (matplotlib); returns the Axes."""
+        """Draws the natural vs. weighted distribution of ``by`` (matplotlib); returns the Figure.
+
+        A notebook shows the figure once; elsewhere save it with ``fig.savefig(path)``.
+        """
         return summary.plot(self._lazy, by, weight=weight)
 
 

@@ -48,7 +48,7 @@ def summary(
 
 
 def plot(frame: pl.LazyFrame, by: str, *, weight: str = "weight") -> Any:
-    """Bar chart of the natural vs. the weighted share of each group; returns the Axes."""
+    """Bar chart of the natural vs. the weighted share of each group; returns the Figure."""
     try:
         import matplotlib.pyplot as plt
     except ImportError as exc:
@@ -59,15 +59,19 @@ def plot(frame: pl.LazyFrame, by: str, *, weight: str = "weight") -> Any:
     labels = [str(v) for v in table[by].to_list()]
     positions = range(len(labels))
     width = 0.4
-    _, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(labels) + 2), 3.5))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(labels) + 2), 3.5), layout="constrained")
     ax.bar([p - width / 2 for p in positions], table["natural_share"], width, label="natural")
     ax.bar([p + width / 2 for p in positions], table["weight_share"], width, label="weighted")
     ax.set_xticks(list(positions), labels)
     ax.set_xlabel(by)
     ax.set_ylabel("share of draws")
     ax.set_title(f"{by}: natural vs. weighted sampling")
-    ax.legend()
-    return ax
+    # Beside the axes, where no bar can be under it; the layout makes room for it.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    # Closed for pyplot: a notebook shows the returned Figure once, instead of also drawing
+    # every figure pyplot holds at the end of the cell; save it with fig.savefig(...).
+    plt.close(fig)
+    return fig
 
 
 def records(frame: pl.LazyFrame, n: int = 5, *, root: PathLike | None = None) -> list[Any]:

@@ -57,14 +57,21 @@ def test_plot_draws_natural_and_weighted_bars(frame: pl.DataFrame) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    ax = frame.with_columns(weight=pl.col("label").drt.balance()).drt.plot(by="label")
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "None"]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["natural", "weighted"]
-    heights = [round(p.get_height(), 6) for p in ax.patches]
-    assert heights == [round(4 / 6, 6), round(1 / 6, 6), round(1 / 6, 6)] + [round(1 / 3, 6)] * 3
     import matplotlib.pyplot as plt
 
-    plt.close("all")
+    fig = frame.with_columns(weight=pl.col("label").drt.balance()).drt.plot(by="label")
+    assert isinstance(fig, matplotlib.figure.Figure)
+    assert not plt.get_fignums(), "pyplot must not hold the figure (a notebook would draw it twice)"
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "None"]
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["natural", "weighted"]
+    heights = [round(p.get_height(), 6) for p in ax.patches]
+    assert heights == [round(4 / 6, 6), round(1 / 6, 6), round(1 / 6, 6)] + [round(1 / 3, 6)] * 3
+    fig.draw_without_rendering()
+    axes_box, legend_box = ax.get_window_extent(), legend.get_window_extent()
+    assert legend_box.x0 >= axes_box.x1, "the legend sits beside the axes, not over the bars"
+    assert legend_box.x1 <= fig.bbox.x1, "and inside the figure"
 
 
 def test_records_rejects_bad_n(frame: pl.DataFrame) -> None:
