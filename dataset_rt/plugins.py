@@ -81,7 +81,8 @@ def balance(*keys: IntoExpr, power: float = 1.0, weight: IntoExpr | None = None)
     Parameters
     ----------
     *keys
-        One or more columns (or a struct) whose combined values define the groups.
+        One or more columns (or a struct of them) whose combined values define the groups,
+        of any dtype: integers, floats, booleans, strings, categoricals, enums, dates, ...
     power
         Between 0 and 1.
     weight

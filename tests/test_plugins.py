@@ -107,6 +107,45 @@ def test_balance_several_columns_struct_and_nulls() -> None:
     assert nulls["w"].to_list()[3:] == pytest.approx([5 / 6, 5 / 6])
 
 
+def test_balance_on_every_key_dtype_a_label_column_has() -> None:
+    codes = [0, 0, 0, 1, 2, 2, None]
+    df = pl.DataFrame({"code": codes}, schema={"code": pl.Int64})
+    reference = df.select(pl.col("code").drt.balance())["code"].to_list()
+    names = pl.col("code").replace_strict({0: "cat", 1: "dog", 2: "eel"}, default=None)
+    keys = {
+        "uint8": pl.col("code").cast(pl.UInt8),
+        "int16": pl.col("code").cast(pl.Int16),
+        "uint16": pl.col("code").cast(pl.UInt16),
+        "float32": pl.col("code").cast(pl.Float32),
+        "string": names,
+        "categorical": names.cast(pl.Categorical),
+        "enum": names.cast(pl.Enum(["cat", "dog", "eel"])),
+        "date": pl.col("code").cast(pl.Date),
+        "datetime": pl.col("code").cast(pl.Datetime("us")),
+        "duration": pl.col("code").cast(pl.Duration("ms")),
+        "decimal": pl.col("code").cast(pl.Decimal(12, 2)),
+        "array": pl.concat_arr(pl.col("code"), pl.col("code")),
+        "struct": pl.struct(a=names.cast(pl.Categorical), b=pl.col("code").cast(pl.UInt8)),
+    }
+    for name, key in keys.items():
+        got = df.select(key.alias(name)).select(pl.col(name).drt.balance())[name].to_list()
+        assert got == pytest.approx(reference), name
+    lazy = df.lazy().select(w=names.cast(pl.Categorical).drt.balance()).collect(engine="streaming")
+    assert lazy["w"].to_list() == pytest.approx(reference)
+
+
+def test_dtypes_the_plugins_refuse_are_errors_not_crashes() -> None:
+    df = pl.DataFrame({"w": [1.0, 2.0], "id": ["a", "b"]})
+    decimal = df.select(w=pl.col("w").cast(pl.Decimal(10, 2)).drt.balance())
+    assert decimal["w"].to_list() == pytest.approx([1.0, 1.0])
+    with pytest.raises(pl.exceptions.ComputeError, match="must be integers or strings"):
+        df.select(pl.col("id").cast(pl.Categorical).drt.split({"a": 0.5, "b": 0.5}))
+    with pytest.raises(pl.exceptions.ComputeError, match="must be numeric"):
+        df.select(pl.col("id").cast(pl.Categorical).drt.normalize())
+    # The process is still fine afterwards.
+    assert df.select(pl.col("w").drt.normalize())["w"].to_list() == pytest.approx([1 / 3, 2 / 3])
+
+
 def test_balance_keeps_shares_of_existing_weights() -> None:
     df = pl.DataFrame({"label": ["a", "a", "b"], "weight": [1.0, 3.0, 1.0]})
     out = df.with_columns(w=pl.col("label").drt.balance(weight="weight"))["w"].to_list()
