@@ -1,4 +1,4 @@
-"""Loader benchmarks (DESIGN.md P1, P2, P3, P5, P7) with same-run baselines.
+"""Loader benchmarks (docs/design.md P1, P2, P3, P5, P7) with same-run baselines.
 
 P1  raw random weighted reads into Python, vs. a pure-Python mmap + numpy offsets reader
 P2  end-to-end pickle decode in one process, vs. decoding the same bytes from a list in RAM

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n== %s\n' "$*"; }
+step() { printf '\n== %s (%s)\n' "$*" "$(date +%H:%M:%S)"; }
 
 step "virtual environment"
 [ -x .venv/bin/python ] || python3 -m venv .venv
