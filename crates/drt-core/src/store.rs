@@ -13,6 +13,7 @@
 //! that died, and is removed.
 
 use std::fs::File;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -48,14 +49,21 @@ pub struct BuildLock {
     file: Option<File>,
     path: PathBuf,
     name: String,
+    /// The process that took the lock: a child forked while it was held must not remove
+    /// the file its parent still holds.
+    pid: u32,
 }
 
 impl Drop for BuildLock {
     fn drop(&mut self) {
-        // Removed while still locked, so nobody can take a lock on this file after us and
-        // believe it is the current one. A failure leaves a stale but harmless file.
-        let _ = std::fs::remove_file(&self.path);
-        drop(self.file.take());
+        if let Some(file) = self.file.take() {
+            // Removed while still locked, so nobody can take a lock on this file after us
+            // and believe it is the current one. A failure leaves a stale, harmless file.
+            if self.pid == std::process::id() && is_same_file(&file, &self.path).unwrap_or(false) {
+                let _ = std::fs::remove_file(&self.path);
+            }
+            drop(file);
+        }
     }
 }
 
@@ -110,10 +118,13 @@ impl Store {
         let path = self.root.join(format!(".{name}.lock"));
         let mut waited = false;
         loop {
+            // A symbolic link in the lock's place is refused (ELOOP) rather than followed: the
+            // check below compares the file at the path itself with the one locked.
             let file = File::options()
                 .create(true)
                 .truncate(false)
                 .write(true)
+                .custom_flags(libc::O_NOFOLLOW)
                 .open(&path)
                 .at(&path)?;
             loop {
@@ -132,11 +143,13 @@ impl Store {
                     file: Some(file),
                     path,
                     name: name.to_string(),
+                    pid: std::process::id(),
                 };
                 return Ok((lock, waited));
             }
             // The holder we waited for removed the file on release: lock the current one.
             waited = true;
+            poll()?;
         }
     }
 
@@ -343,11 +356,19 @@ mod tests {
         assert!(path.exists());
         // A waiter holds the file the first holder removes on release; it must go on to
         // lock the file that is at the path afterwards, not the removed one.
+        let (waiting, is_waiting) = std::sync::mpsc::channel();
         let waiter = std::thread::spawn({
             let store = store.clone();
-            move || store.lock("z", || Ok(())).unwrap()
+            move || {
+                store
+                    .lock("z", || {
+                        let _ = waiting.send(()); // it holds the first file and waits on it
+                        Ok(())
+                    })
+                    .unwrap()
+            }
         });
-        std::thread::sleep(Duration::from_millis(100));
+        is_waiting.recv().unwrap();
         drop(first);
         let (second, waited) = waiter.join().unwrap();
         assert!(waited);
@@ -367,6 +388,16 @@ mod tests {
         assert!(matches!(err, Error::Interrupted));
         drop(second);
         assert!(!path.exists(), "no lock file is left behind");
+    }
+
+    #[test]
+    fn a_symlink_in_the_lock_files_place_is_an_error_not_a_spin() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path());
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), dir.path().join(".s.lock"))
+            .unwrap();
+        let err = store.lock("s", || Ok(())).unwrap_err();
+        assert!(err.to_string().contains(".s.lock"), "{err}");
     }
 
     #[test]
