@@ -134,7 +134,14 @@ def _apply(
         except Exception as exc:
             where = f"sample_id {ids[i]} of cache {spec.cache_names[caches[i]]!r}"
             if what == "decode":
-                raise SerializationError(f"decoding {where} failed: {exc!r}") from exc
+                hint = (
+                    "; the record names a class defined in a script's __main__, which only "
+                    "that script has: define the class in a module, or cache the records "
+                    'with serializer="dill"'
+                    if "__main__" in str(exc)
+                    else ""
+                )
+                raise SerializationError(f"decoding {where} failed: {exc!r}{hint}") from exc
             raise TransformError(f"transform failed on {where}: {exc!r}") from exc
     return out  # pragma: no cover - only reached if fn fails once and then succeeds
 
@@ -426,11 +433,11 @@ class Loader:
         Calling it is optional: a loader moves to the next epoch by itself when it is
         iterated again after an epoch ended. A loop that calls ``set_epoch(epoch)`` at the
         top of every epoch sees the same draws either way. Setting the epoch the loader is
-        already in keeps its position, so such a loop resumes mid-epoch after
-        :meth:`load_state_dict`.
+        in keeps its position mid-epoch, so such a loop resumes mid-epoch after
+        :meth:`load_state_dict`; setting an epoch that has ended starts it again.
         """
         epoch = _check_int("epoch", epoch, 0, 2**63 - 1)
-        if epoch != self._epoch:
+        if epoch != self._epoch or self._cursor >= self._total:
             self._epoch = epoch
             self._cursor = 0
 
@@ -561,6 +568,9 @@ class Loader:
                 consumed += 1
                 self._cursor = schedule.cursor_after(consumed)
                 yield batch
+            # Every rank's share is read: the epoch has ended, even where what was left of
+            # it filled no batch (drop_last, or a resume at another batch size).
+            self._cursor = self._total
         finally:
             close = getattr(batches, "close", None)
             if close is not None:

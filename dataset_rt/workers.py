@@ -45,11 +45,12 @@ from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, WorkerError
 from dataset_rt.loader import LoaderSpec, assemble
 
-__all__ = ["START_TIMEOUT", "pack", "worker_batches"]
+__all__ = ["DEFAULT_START_TIMEOUT", "pack", "start_timeout", "worker_batches"]
 
-START_TIMEOUT = float(os.environ.get("DATASET_RT_WORKER_START_TIMEOUT", "120"))
-"""Seconds a worker process may take to start before the loader gives up on it
-(``$DATASET_RT_WORKER_START_TIMEOUT``, default 120)."""
+START_TIMEOUT_VARIABLE = "DATASET_RT_WORKER_START_TIMEOUT"
+DEFAULT_START_TIMEOUT = 120.0
+"""Seconds a worker process may take to start before the loader gives up on it, unless
+``$DATASET_RT_WORKER_START_TIMEOUT`` says otherwise (read each time workers start)."""
 
 _STARTED = "dataset_rt: worker started"
 _START_POLL = 2.0
@@ -84,6 +85,28 @@ def pack(spec: LoaderSpec) -> bytes:
             f"{culprit} cannot be sent to worker processes ({exc}); use num_workers=0, or a "
             "function that does not hold locks, open files or other per-process state"
         ) from exc
+
+
+def start_timeout() -> float:
+    """The seconds workers may take to start: ``$DATASET_RT_WORKER_START_TIMEOUT`` or 120.
+
+    Raises
+    ------
+    ArgumentError
+        The variable is set to something other than a positive number of seconds.
+    """
+    text = os.environ.get(START_TIMEOUT_VARIABLE)
+    if text is None:
+        return DEFAULT_START_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ArgumentError(
+            f"{START_TIMEOUT_VARIABLE}={text!r} must be a positive number of seconds"
+        )
+    return seconds
 
 
 def _pickles(obj: Any) -> bool:
@@ -132,15 +155,19 @@ def _main_module_left_alone() -> Iterator[None]:
 
     ``multiprocessing`` has no switch for this: the data a new process prepares itself from
     comes from ``spawn.get_preparation_data``, which both start methods call by module
-    attribute. It is replaced only for the duration of one launch, under a lock.
+    attribute. It is replaced only for the duration of one launch, under a lock, and only
+    for the launching thread.
     """
     with _launching:
         original = multiprocessing.spawn.get_preparation_data
+        launcher = threading.get_ident()
 
         def without_main(name: str) -> dict[str, Any]:
             data: dict[str, Any] = original(name)
-            data.pop("init_main_from_name", None)
-            data.pop("init_main_from_path", None)
+            # Another thread starting a process of its own meanwhile gets what it asked for.
+            if threading.get_ident() == launcher:
+                data.pop("init_main_from_name", None)
+                data.pop("init_main_from_path", None)
             return data
 
         multiprocessing.spawn.get_preparation_data = without_main
@@ -209,27 +236,32 @@ def worker_batches(
         prefetch_factor=max(1, -(-depth // num_workers)),
         persistent_workers=False,
     )
-    iterator = iter(loader)
+    timeout = start_timeout()
     # Until every worker has reported, wait for items in short slices: between slices
     # PyTorch checks that no worker died, and the start deadline is checked here.
-    deadline = time.monotonic() + START_TIMEOUT
-    iterator._timeout = min(_START_POLL, START_TIMEOUT)
+    deadline = time.monotonic() + timeout
+    iterator: Any = None
     started = 0
     try:
+        iterator = iter(loader)  # launches the workers
+        iterator._timeout = min(_START_POLL, timeout)
         while True:
             try:
                 item = next(iterator)
             except StopIteration:
                 return
             except RuntimeError as exc:
-                if started < num_workers and "timed out" in str(exc):
-                    if time.monotonic() < deadline:
+                message = str(exc)
+                if type(exc) is RuntimeError and message.startswith("DataLoader timed out"):
+                    if started < num_workers and time.monotonic() < deadline:
                         continue  # PyTorch's iterator is unchanged by a timeout: wait again
                     raise WorkerError(
                         f"{num_workers - started} of {num_workers} loader worker processes "
-                        f"did not start within {START_TIMEOUT:g} s (set "
-                        "DATASET_RT_WORKER_START_TIMEOUT to wait longer, or use num_workers=0)"
+                        f"did not start within {timeout:g} s (set {START_TIMEOUT_VARIABLE} "
+                        "to wait longer, or use num_workers=0)"
                     ) from exc
+                if type(exc) is RuntimeError and "exited unexpectedly" in message:
+                    raise WorkerError(message) from exc
                 raise
             except (ConnectionError, EOFError, FileNotFoundError) as exc:
                 # A worker killed just after queueing a batch leaves a tensor whose file

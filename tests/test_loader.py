@@ -113,13 +113,25 @@ def test_epochs_differ_and_repeat(cache: drt.Cache) -> None:
     second = ids_of(list(loader))
     assert loader.epoch == 1, "iterating a finished epoch again moves to the next one"
     assert second != first
-    loader.set_epoch(1)  # the epoch it is in, finished: iterating moves on to epoch 2
     third = ids_of(list(loader))
     assert loader.epoch == 2 and third not in (first, second)
+    loader.set_epoch(2)  # an epoch that has ended, selected explicitly: it starts again
+    assert ids_of(list(loader)) == third and loader.epoch == 2
     loader.set_epoch(0)
     assert ids_of(list(loader)) == first
     loader.set_epoch(1)
     assert ids_of(list(loader)) == second
+
+
+def test_an_epoch_with_nothing_left_for_a_batch_ends(cache: drt.Cache) -> None:
+    frame = cache.metadata
+    loader = frame.drt.loader(batch_size=40, seed=3, drop_last=True, collate=list)
+    # 290 of 300 positions consumed: the 10 left fill no batch of 40 under drop_last.
+    loader.load_state_dict({**loader.state_dict(), "position": 290})
+    assert list(loader) == [] and loader.epoch == 0
+    assert loader.state_dict()["position"] == 300
+    nxt = ids_of(list(loader))
+    assert loader.epoch == 1 and len(nxt) == 280, "the next iteration is the next epoch"
 
 
 def test_a_loop_calling_set_epoch_sees_what_it_saw_before(cache: drt.Cache) -> None:

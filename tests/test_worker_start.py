@@ -17,7 +17,7 @@ import pytest
 
 import dataset_rt as drt
 from dataset_rt import workers
-from dataset_rt.errors import WorkerError
+from dataset_rt.errors import ArgumentError, WorkerError
 
 # A training script as users write it: everything at module level, a transform defined in the
 # script itself, workers, and (under torchrun) a process group joined at import time.
@@ -124,12 +124,17 @@ class _NeverLoads:
 def test_a_worker_that_cannot_start_is_an_error_in_bounded_time(
     small: drt.Cache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(workers, "START_TIMEOUT", 5.0)
+    monkeypatch.setenv("DATASET_RT_WORKER_START_TIMEOUT", "5")
     loader = small.metadata.drt.loader(batch_size=10, num_workers=2, transform=_NeverLoads())
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"2 of 2 loader worker processes did not start"):
         next(iter(loader))
     assert time.monotonic() - start < 60
+    assert workers.start_timeout() == 5.0
+    for bad in ("soon", "0", "-1", "inf"):
+        monkeypatch.setenv("DATASET_RT_WORKER_START_TIMEOUT", bad)
+        with pytest.raises(ArgumentError, match="DATASET_RT_WORKER_START_TIMEOUT"):
+            next(iter(loader))
 
 
 NOTEBOOK_CELLS = [
@@ -147,16 +152,17 @@ cache = drt.cache(
 )
 """,
     """
-SCALE = 2.0
+SCALE = 0.5
 
 def to_tensors(record):
     return torch.from_numpy(record["image"].astype(np.float32) * SCALE), record["label"]
 """,
     """
 loader = cache.metadata.drt.loader(batch_size=64, num_workers=2, transform=to_tensors, seed=0)
-total = sum(int(labels.numel()) for images, labels in loader)
-first = next(iter(loader))[0][0, 0, 0].item()
-print("samples", total, "scaled", first % 2 == 0)
+batches = list(loader)
+total = sum(int(labels.numel()) for images, labels in batches)
+largest = max(float(images.max()) for images, labels in batches)
+print("samples", total, "scaled", 100 < largest <= 127.5)
 """,
     """
 cache.metadata.drt.plot("label")
@@ -188,3 +194,21 @@ def test_a_notebook_cell_function_reaches_the_workers(
     (plot,) = notebook.cells[3].outputs
     assert "image/png" in plot["data"], plot
     assert "<Axes" not in plot["data"].get("text/plain", "")
+
+
+def test_records_of_a_main_module_class_get_an_error_that_says_what_to_do(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "build.py"
+    script.write_text(
+        "import dataclasses\n"
+        "import dataset_rt as drt\n\n"
+        "@dataclasses.dataclass\n"
+        "class Point:\n"
+        "    x: int\n\n"
+        "drt.cache([Point(i) for i in range(10)], 'points', progress=False)\n"
+    )
+    subprocess.run([sys.executable, str(script)], check=True, timeout=120)
+    loader = drt.open("points").metadata.drt.loader(batch_size=5, collate=list)
+    with pytest.raises(drt.errors.SerializationError, match=r'__main__.*serializer="dill"'):
+        next(iter(loader))
