@@ -225,7 +225,7 @@ def _build(
                     raise MetadataError(f"metadata() raised on record {index}: {exc!r}") from exc
                 add_metadata(index, values)
             bar.update(index + 1)
-        bar.update(index + 1)
+        bar.settle(index + 1)
         frame = collector.frame(builder.cache_id, builder.num_samples)
         path = builder.metadata_path(FIRST_METADATA_VERSION)
         frame.write_parquet(path)

@@ -137,10 +137,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("ls", parents=[common], help="list the caches under the root")
-    p.set_defaults(func=_ls)
+    p.set_defaults(func=_ls, parser=p)
     p = sub.add_parser("info", parents=[common], help="describe one cache")
     p.add_argument("name", help="the cache's name")
-    p.set_defaults(func=_info)
+    p.set_defaults(func=_info, parser=p)
     p = sub.add_parser(
         "verify",
         parents=[common],
@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("name", help="the cache's name")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
-    p.set_defaults(func=_verify)
+    p.set_defaults(func=_verify, parser=p)
     p = sub.add_parser(
         "bench",
         parents=[common],
@@ -164,12 +164,12 @@ def _parser() -> argparse.ArgumentParser:
         help="worker counts to try (default 0,2 with PyTorch installed, else 0; counts above 0 "
         "need PyTorch)",
     )
-    p.set_defaults(func=_bench)
+    p.set_defaults(func=_bench, parser=p)
     p = sub.add_parser(
         "demo", parents=[common], help="cache scikit-learn's digits and read them back"
     )
     p.add_argument("--overwrite", action="store_true", help="rebuild the demo cache")
-    p.set_defaults(func=_demo)
+    p.set_defaults(func=_demo, parser=p)
     return parser
 
 
@@ -180,8 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = args.func(args)
     except ArgumentError as exc:
-        # A value argparse could not check by itself: a usage error like argparse's own.
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        # A value argparse could not check by itself: a usage error like argparse's own,
+        # with the subcommand's usage line.
+        getattr(args, "parser", parser).error(str(exc))
     except DatasetRTError as exc:
         print(f"dataset-rt: error: {exc}", file=sys.stderr)
         return 1

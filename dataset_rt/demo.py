@@ -20,7 +20,7 @@ def _digit_records() -> Any:
         from sklearn.datasets import load_digits
     except ImportError as exc:
         raise ImportError(
-            "the demo caches scikit-learn's digits dataset: pip install 'dataset-rt[demo]'"
+            "the demo caches scikit-learn's digits dataset: pip install scikit-learn"
         ) from exc
     import numpy as np
 

@@ -61,6 +61,11 @@ class BuildProgress:
         self.records = 0
         self.nbytes = 0
 
+    def settle(self, records: int) -> None:
+        """Sets the final totals; call it before the build's writer is finished and gone."""
+        self.records = records
+        self.nbytes = self._nbytes()
+
     def update(self, records: int) -> None:
         """Sets the records so far; draws a line if the last one is old enough."""
         self.records = records
@@ -90,7 +95,6 @@ class BuildProgress:
         if not self._enabled:
             return
         if ok:
-            self.nbytes = self._nbytes()
             self._draw(time.perf_counter(), end="\n")
         elif self._live:
             self._stream.write("\n")

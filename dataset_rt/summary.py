@@ -52,9 +52,7 @@ def plot(frame: pl.LazyFrame, by: str, *, weight: str = "weight") -> Any:
     try:
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError(
-            "df.drt.plot draws with matplotlib: pip install matplotlib (or dataset-rt[plot])"
-        ) from exc
+        raise ImportError("df.drt.plot draws with matplotlib: pip install matplotlib") from exc
     table = summary(frame, by, weight=weight).collect()
     labels = [str(v) for v in table[by].to_list()]
     positions = range(len(labels))

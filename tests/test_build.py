@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,6 +161,8 @@ def test_progress_line_reports_records_and_bytes(capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert "caching 'progress': 100/100 (100%) records" in err
     assert "rec/s" in err
+    size = re.search(r"records, ([\d.]+) (B|KiB|MiB)", err)
+    assert size and float(size.group(1)) > 0, err  # the bytes written, not 0 B
     drt.cache(range(100), "quiet", progress=False)
     assert capsys.readouterr().err == ""
 
