@@ -177,16 +177,20 @@ def _main_module_left_alone() -> Iterator[None]:
             multiprocessing.spawn.get_preparation_data = original
 
 
-class _ForkServerPopen(multiprocessing.popen_forkserver.Popen):
+class _MainModuleLeftAlone:
+    """Mixed into a start method's ``Popen``: its launch leaves the main module alone."""
+
     def _launch(self, process_obj: Any) -> None:
         with _main_module_left_alone():
-            super()._launch(process_obj)  # type: ignore[misc]  # untyped in typeshed
+            super()._launch(process_obj)  # type: ignore[misc]  # the Popen it is mixed into
 
 
-class _SpawnPopen(multiprocessing.popen_spawn_posix.Popen):
-    def _launch(self, process_obj: Any) -> None:
-        with _main_module_left_alone():
-            super()._launch(process_obj)  # type: ignore[misc]  # untyped in typeshed
+class _ForkServerPopen(_MainModuleLeftAlone, multiprocessing.popen_forkserver.Popen):
+    pass
+
+
+class _SpawnPopen(_MainModuleLeftAlone, multiprocessing.popen_spawn_posix.Popen):
+    pass
 
 
 class _ForkServerProcess(multiprocessing.context.ForkServerProcess):
