@@ -322,23 +322,26 @@ fn exchange_by_renames(a: &Path, b: &Path) -> Result<()> {
 mod tests {
     use super::*;
 
+    /// A `poll` for `Store::lock` that gives up (as Ctrl-C would) at its `n`-th call.
+    fn interrupted_at_poll(n: usize) -> impl FnMut() -> Result<()> {
+        let mut polls = 0;
+        move || {
+            polls += 1;
+            if polls == n {
+                Err(Error::Interrupted)
+            } else {
+                Ok(())
+            }
+        }
+    }
+
     #[test]
     fn second_locker_waits_until_release() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::new(dir.path());
         let (first, waited) = store.lock("x", || Ok(())).unwrap();
         assert!(!waited);
-        let mut polls = 0;
-        let err = store
-            .lock("x", || {
-                polls += 1;
-                if polls == 3 {
-                    Err(Error::Interrupted)
-                } else {
-                    Ok(())
-                }
-            })
-            .unwrap_err();
+        let err = store.lock("x", interrupted_at_poll(3)).unwrap_err();
         assert!(matches!(err, Error::Interrupted));
         drop(first);
         let (_second, waited) = store.lock("x", || Ok(())).unwrap();
@@ -374,17 +377,7 @@ mod tests {
         assert!(waited);
         assert!(path.exists(), "the holder's file is at the path");
         // While the second holds it, nobody else gets it.
-        let mut polls = 0;
-        let err = store
-            .lock("z", || {
-                polls += 1;
-                if polls == 2 {
-                    Err(Error::Interrupted)
-                } else {
-                    Ok(())
-                }
-            })
-            .unwrap_err();
+        let err = store.lock("z", interrupted_at_poll(2)).unwrap_err();
         assert!(matches!(err, Error::Interrupted));
         drop(second);
         assert!(!path.exists(), "no lock file is left behind");
