@@ -1,11 +1,25 @@
-"""Every test and doctest gets its own empty DATASET_RT_HOME, so nothing touches ~/.cache."""
+"""Every test and doctest gets its own empty DATASET_RT_HOME, so nothing touches ~/.cache.
+
+The suite tests the installed package (a wheel, or an editable install): pytest runs in
+importlib mode, which leaves sys.path alone, and takes a doctest's module from sys.modules
+when it is there. Importing every module of the installed package here makes the doctests
+of python/dataset_rt run against what pip installed rather than against the checkout.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 from pathlib import Path
 
 import pytest
+
+import dataset_rt
+
+for _module in pkgutil.walk_packages(dataset_rt.__path__, "dataset_rt."):
+    if not _module.name.endswith("__main__"):
+        importlib.import_module(_module.name)
 
 # Charts in the docs and tests render off-screen.
 os.environ.setdefault("MPLBACKEND", "Agg")

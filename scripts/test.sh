@@ -1,22 +1,93 @@
 #!/usr/bin/env bash
-# Installs the test dependencies and runs every check and test of dataset_rt.
-# This is the README's test command; .ci/run calls it verbatim.
+# Builds the wheels users install and runs every check and test of dataset_rt against them,
+# at both ends of the supported range. This is the README's test command; .ci/run calls it
+# verbatim.
 #
-# It builds into a virtual environment in .venv (created if missing). Set CARGO_TARGET_DIR
-# to share Rust build artifacts between checkouts: the Polars crates take minutes to compile.
+#   newest end: Python 3.13, the cp311-abi3 wheel, the newest Polars and PyTorch;
+#               the Rust and Python linters and type checks run here.
+#   oldest end: Python 3.10, the cp310 wheel, the lowest Polars pyproject.toml allows.
+#
+# Each end gets a virtual environment under .test-envs/. An interpreter is taken from PATH
+# (python3.13, python3.10) or from pyenv. Without one the end is skipped with a message,
+# except under CI=true, where both ends must run.
+#
+# Set CARGO_TARGET_DIR to share Rust build artifacts between checkouts: the Polars crates
+# take minutes to compile, once per wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s (%s)\n' "$*" "$(date +%H:%M:%S)"; }
 
-step "virtual environment"
-[ -x .venv/bin/python ] || python3 -m venv .venv
-# shellcheck disable=SC1091
-. .venv/bin/activate
-python -m pip install --quiet --upgrade pip
+# Prints the path of a CPython interpreter of version $1 (e.g. 3.10), or nothing.
+find_python() {
+    local candidate
+    for candidate in "$(command -v "python$1" || true)" \
+        "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$1".*/bin/"python$1"; do
+        if [ -x "$candidate" ] && "$candidate" -c '' 2>/dev/null; then
+            echo "$candidate"
+            return
+        fi
+    done
+}
 
-step "install dataset_rt with its test dependencies (compiles the Rust extension)"
-python -m pip install --quiet -e ".[test]"
+target="${CARGO_TARGET_DIR:-$PWD/target}"
+wheels="$PWD/dist/test-wheels"
+newest="$(find_python 3.13)"
+oldest="$(find_python 3.10)"
+for end in "3.13:$newest" "3.10:$oldest"; do
+    if [ -z "${end#*:}" ]; then
+        if [ "${CI:-}" = true ]; then
+            echo "error: no Python ${end%%:*} found (PATH or pyenv); CI runs both ends" >&2
+            exit 1
+        fi
+        echo "warning: no Python ${end%%:*} found; its end of the range is skipped" >&2
+    fi
+done
+[ -n "$newest" ] || newest="$(command -v python3)"
+
+# Creates (if missing) the environment .test-envs/py$1 from interpreter $2, with maturin.
+make_env() {
+    local env=".test-envs/py$1"
+    [ -x "$env/bin/python" ] || "$2" -m venv "$env"
+    "$env/bin/python" -m pip install --quiet --upgrade pip "maturin>=1.9,<2"
+}
+
+step "virtual environments"
+make_env new "$newest"
+[ -z "$oldest" ] || make_env old "$oldest"
+floor="$(.test-envs/pynew/bin/python -c '
+import re, tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+(polars,) = [d for d in deps if re.match(r"polars\b", d)]
+print(re.search(r">=\s*([\d.]+)", polars).group(1))')"
+
+step "build the wheels (compiles the Rust extension, Polars' crates most of it)"
+rm -rf "$wheels"
+.test-envs/pynew/bin/maturin build --release --features abi3 --out "$wheels" \
+    --interpreter .test-envs/pynew/bin/python
+if [ -n "$oldest" ]; then
+    # Its own target directory: a build for another interpreter would otherwise invalidate
+    # the artifacts of the one before, and every build would compile Polars again.
+    CARGO_TARGET_DIR="$target/py3.10" .test-envs/pyold/bin/maturin build --release \
+        --out "$wheels" --interpreter .test-envs/pyold/bin/python
+fi
+ls "$wheels"
+
+step "install the wheels with their test dependencies"
+# Each environment gets the wheel pip would choose for its interpreter from an index.
+install() {
+    local env=".test-envs/py$1" wheel
+    wheel="$(echo "$wheels"/*-"$2"-*.whl)"
+    "$env/bin/python" -m pip install --quiet --force-reinstall --no-deps "$wheel"
+    "$env/bin/python" -m pip install --quiet "$wheel[test]" "${@:3}"
+}
+install new cp311-abi3
+[ -z "$oldest" ] || install old cp310-cp310 "polars==$floor"
+
+# Everything below runs against the installed wheels; the console scripts of the
+# environments keep the checkout itself off sys.path.
+export DATASET_RT_WHEELS="$wheels" DATASET_RT_TEST_INSTALLED=1
+export PATH="$PWD/.test-envs/pynew/bin:$PATH"
 
 step "rust: format, lint, unit tests"
 cargo fmt --all --check
@@ -27,7 +98,19 @@ step "python: format, lint, types, stubs"
 ruff format --check .
 ruff check .
 mypy
-python -m mypy.stubtest dataset_rt._native --allowlist .mypy-stubtest-allowlist
+.test-envs/pynew/bin/python -m mypy.stubtest dataset_rt._native \
+    --allowlist .mypy-stubtest-allowlist
 
-step "python: tests, doctests and docs"
-python -m pytest "$@"
+step "python $("$newest" -V | cut -d' ' -f2), newest Polars: tests, doctests and docs"
+.test-envs/pynew/bin/python -c 'import polars; print("polars", polars.__version__)'
+.test-envs/pynew/bin/pytest "$@"
+
+if [ -n "$oldest" ]; then
+    step "python $("$oldest" -V | cut -d' ' -f2), polars $floor: types, stubs, tests, doctests, docs"
+    # mypy checks against the interpreter's own version: here the 3.10 standard library and
+    # the floor Polars' annotations.
+    .test-envs/pyold/bin/mypy
+    .test-envs/pyold/bin/python -m mypy.stubtest dataset_rt._native \
+        --allowlist .mypy-stubtest-allowlist --ignore-unused-allowlist
+    DATASET_RT_TEST_POLARS="$floor" .test-envs/pyold/bin/pytest "$@"
+fi

@@ -315,12 +315,3 @@ def test_property_split_is_per_id(ids: list[int]) -> None:
         pl.DataFrame({"id": [i]}).select(pl.col("id").drt.split(fractions))["id"][0] for i in ids
     ]
     assert whole == one_by_one
-
-
-def test_installed_polars_is_a_supported_version() -> None:
-    from dataset_rt._version_check import SUPPORTED_POLARS, _version_tuple
-
-    low, high = SUPPORTED_POLARS
-    assert low <= _version_tuple(pl.__version__) < high, (
-        f"polars {pl.__version__} is outside the range the plugins are built for"
-    )

@@ -7,7 +7,7 @@ import json
 import operator
 import os
 import re
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +110,7 @@ class Cache:
     @property
     def created_at(self) -> datetime:
         """When the cache was built (UTC)."""
-        return datetime.fromisoformat(self._manifest["created_at"])
+        return _utc(self._manifest["created_at"])
 
     @property
     def nbytes(self) -> int:
@@ -263,7 +263,7 @@ class Cache:
                     "version": version,
                     "rows": pl.scan_parquet(path).select(pl.len()).collect().item(),
                     "columns": list(schema),
-                    "saved": datetime.fromtimestamp(path.stat().st_mtime, tz=UTC),
+                    "saved": datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc),
                     "live": version == manifest["metadata_version"],
                 }
             )
@@ -393,6 +393,11 @@ class Cache:
         )
 
 
+def _utc(stamp: str) -> datetime:
+    """Parses the manifest's RFC 3339 UTC time (``...Z``; Python 3.10 reads only ``+00:00``)."""
+    return datetime.fromisoformat(stamp.removesuffix("Z") + "+00:00")
+
+
 def fsync_file(path: PathLike) -> None:
     """Flushes a file's contents to disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -479,7 +484,7 @@ def list_caches(root: PathLike | None = None) -> pl.DataFrame:
                 "bytes": m["nbytes"],
                 "shards": len(m["shards"]),
                 "serializer": serializer_name(str(m["serializer"])),
-                "created": datetime.fromisoformat(m["created_at"]),
+                "created": _utc(m["created_at"]),
             }
         )
     schema: dict[str, pl.DataType] = {

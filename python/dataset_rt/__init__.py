@@ -12,13 +12,18 @@ Polars DataFrame without touching the payloads.
 
 from __future__ import annotations
 
-from dataset_rt import errors, namespace
-from dataset_rt._native import __version__
 from dataset_rt._version_check import check_polars_version
-from dataset_rt.build import cache
-from dataset_rt.cache import Cache, default_root, list_caches, open
-from dataset_rt.loader import Loader
-from dataset_rt.verify import Problem, VerifyReport, verify
+
+# Before the modules that use Polars: outside the supported range they could fail to import
+# with an error that does not say why.
+check_polars_version()
+
+from dataset_rt import errors, namespace  # noqa: E402
+from dataset_rt._native import __version__  # noqa: E402
+from dataset_rt.build import cache  # noqa: E402
+from dataset_rt.cache import Cache, default_root, list_caches, open  # noqa: E402
+from dataset_rt.loader import Loader  # noqa: E402
+from dataset_rt.verify import Problem, VerifyReport, verify  # noqa: E402
 
 __all__ = [
     "Cache",
@@ -34,5 +39,3 @@ __all__ = [
     "open",
     "verify",
 ]
-
-check_polars_version()

@@ -73,7 +73,7 @@ _POOL = _BatchMemory()
 _POOLED_FROM = 1 << 20
 
 
-def _stack_arrays(batch: list[np.ndarray], *, collate_fn_map: Any = None) -> Any:
+def _stack_arrays(batch: list[np.ndarray[Any, Any]], *, collate_fn_map: Any = None) -> Any:
     first = batch[0]
     if first.dtype.kind not in "biufc":  # strings, objects, datetimes: PyTorch's rules
         return default_collate_fn_map[np.ndarray](batch, collate_fn_map=collate_fn_map)
