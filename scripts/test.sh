@@ -62,14 +62,17 @@ deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print(re.search(r">=\s*([\d.]+)", polars).group(1))')"
 
 step "build the wheels (compiles the Rust extension, Polars' crates most of it)"
+# Each build names the base interpreter, not the environment's: PyO3 recompiles itself and
+# every crate above it (all of Polars) when the interpreter's path changes, and the path of
+# an environment differs between checkouts.
 rm -rf "$wheels"
 .test-envs/pynew/bin/maturin build --release --features abi3 --out "$wheels" \
-    --interpreter .test-envs/pynew/bin/python
+    --interpreter "$newest"
 if [ -n "$oldest" ]; then
-    # Its own target directory: a build for another interpreter would otherwise invalidate
-    # the artifacts of the one before, and every build would compile Polars again.
+    # Its own target directory, for the same reason: builds for two interpreters would
+    # otherwise invalidate each other's artifacts.
     CARGO_TARGET_DIR="$target/py3.10" .test-envs/pyold/bin/maturin build --release \
-        --out "$wheels" --interpreter .test-envs/pyold/bin/python
+        --out "$wheels" --interpreter "$oldest"
 fi
 ls "$wheels"
 
