@@ -247,7 +247,7 @@ def test_metadata_function_that_raises() -> None:
         drt.cache(range(5), "meta-raises", metadata=meta, progress=False)
 
 
-@pytest.mark.parametrize("weight", [-1.0, float("nan"), float("inf"), "heavy"])
+@pytest.mark.parametrize("weight", [-1.0, float("nan"), float("inf"), "heavy", 1e308])
 def test_bad_initial_weights(weight: Any) -> None:
     with pytest.raises(WeightError):
         drt.cache(range(2), "bad-weight", metadata=lambda i: {"weight": weight}, progress=False)

@@ -116,6 +116,31 @@ def test_newer_format_version(small: drt.Cache) -> None:
 
 
 @pytest.mark.parametrize(
+    ("serializer", "stored_in_format_1"), [("pickle", "pickle-oob"), ("pickle-inband", "pickle")]
+)
+def test_a_format_1_cache_opens_with_the_serializer_it_was_built_with(
+    serializer: str, stored_in_format_1: str
+) -> None:
+    import numpy as np
+
+    array = np.arange(1 << 15, dtype=np.float64)  # 256 KiB: out of band under "pickle"
+    built = drt.cache([{"x": array}], "old", serializer=serializer, progress=False)  # type: ignore[arg-type]
+    path, manifest = _manifest(built)
+    manifest["format_version"], manifest["serializer"] = 1, stored_in_format_1
+    path.write_text(json.dumps(manifest))
+    cache = drt.open("old")
+    assert cache.serializer == serializer
+    record = cache.get(0)
+    assert np.array_equal(record["x"], array)
+    # Out-of-band arrays come back as read-only views; in-band ones as private copies.
+    assert record["x"].flags.writeable == (serializer == "pickle-inband")
+    cache.save_metadata(cache.metadata)  # rewrites the manifest, as format version 2
+    assert json.loads(path.read_text())["format_version"] == 2
+    assert json.loads(path.read_text())["serializer"] == serializer
+    assert drt.open("old").serializer == serializer
+
+
+@pytest.mark.parametrize(
     ("damage", "message"),
     [
         ("truncate-shard", r"shards/00002.bin: file is \d+ bytes but the manifest records"),

@@ -99,7 +99,7 @@ def test_scan_follows_the_live_version(digits: drt.Cache) -> None:
         (lambda df: df.drop("cache_id"), MetadataError, r"lacks column\(s\) \['cache_id'\]"),
         (
             lambda df: df.with_columns(weight=pl.lit("heavy")),
-            MetadataError,
+            WeightError,
             "'weight' must be numeric, not String",
         ),
         (

@@ -148,7 +148,7 @@ def test_the_sdist_holds_everything_a_source_build_needs(tmp_path: Path) -> None
         "pyproject.toml",
         "crates/drt-core/src/lib.rs",
         "crates/drt-python/src/lib.rs",
-        "polars_plugin/src/lib.rs",
+        "crates/drt-polars/src/lib.rs",
         "python/dataset_rt/__init__.py",
         "python/dataset_rt/_native.pyi",
         "python/dataset_rt/py.typed",

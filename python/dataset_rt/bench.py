@@ -13,11 +13,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dataset_rt.cache import PathLike
 from dataset_rt.cache import open as open_cache
 from dataset_rt.errors import ArgumentError
-from dataset_rt.loader import Loader, decode_batch
+from dataset_rt.loader import Loader
+from dataset_rt.pipeline import decode_batch
 from dataset_rt.progress import format_bytes
+from dataset_rt.roots import PathLike
 
 __all__ = ["BenchResult", "Stage", "bench"]
 

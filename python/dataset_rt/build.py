@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dataset_rt import _native
-from dataset_rt.cache import Cache, PathLike, fsync_file, resolve_root
+from dataset_rt.cache import Cache, fsync_file
 from dataset_rt.errors import (
     ArgumentError,
     CacheCorruptError,
@@ -16,6 +16,7 @@ from dataset_rt.errors import (
 )
 from dataset_rt.metadata import MetadataCollector
 from dataset_rt.progress import BuildProgress
+from dataset_rt.roots import PathLike, resolve_root
 from dataset_rt.serialize import ALIGN, Decoder, SerializerSpec, as_bytes, resolve_serializer
 
 __all__ = ["cache"]
@@ -118,7 +119,7 @@ def cache(
     ser_name, dumps = resolve_serializer(serializer)
     if alignment is None:
         # Out-of-band arrays are then viewed in the mapped shard aligned as written.
-        alignment = ALIGN if ser_name == "pickle-oob" else DEFAULT_ALIGNMENT
+        alignment = ALIGN if ser_name == "pickle" else DEFAULT_ALIGNMENT
     if alignment < 1 or alignment & (alignment - 1) or alignment > 4096:
         raise ArgumentError(f"alignment must be a power of two up to 4096, got {alignment}")
     root_path = resolve_root(root)
@@ -128,7 +129,7 @@ def cache(
         existing = _try_open_or_explain(store, root_path, name, decode)
         if existing is not None:
             return existing
-    before = None if not store.exists(name) else json_cache_id(store, name)
+    before = None if not store.exists(name) else published_cache_id(store, name)
 
     lock = store.lock(name)
     try:
@@ -151,13 +152,11 @@ def cache(
     return Cache(reader, root_path, decode)
 
 
-def json_cache_id(store: _native.Store, name: str) -> str | None:
+def published_cache_id(store: _native.Store, name: str) -> str | None:
     """The cache_id currently published under ``name``, or None if it is unreadable."""
-    import json
-
     try:
-        return str(json.loads(store.manifest_json(name))["cache_id"])
-    except (CacheNotFoundError, CacheCorruptError, KeyError):
+        return store.manifest(name).cache_id
+    except (CacheNotFoundError, CacheCorruptError):
         return None
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import html
-import json
 import operator
 import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
@@ -25,27 +24,11 @@ from dataset_rt.errors import (
 )
 from dataset_rt.metadata import checked_edit
 from dataset_rt.progress import format_bytes
-from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for, serializer_name
+from dataset_rt.roots import PathLike, resolve_root
+from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for
+from dataset_rt.verify import VerifyReport, verify
 
-if TYPE_CHECKING:
-    from dataset_rt.verify import VerifyReport
-
-__all__ = ["Cache", "default_root", "list_caches", "open", "resolve_root"]
-
-PathLike = str | os.PathLike[str]
-
-
-def default_root() -> Path:
-    """``$DATASET_RT_HOME`` if set, else ``~/.cache/dataset_rt``."""
-    env = os.environ.get("DATASET_RT_HOME")
-    if env:
-        return Path(env).expanduser().absolute()
-    return (Path.home() / ".cache" / "dataset_rt").absolute()
-
-
-def resolve_root(root: PathLike | None) -> Path:
-    """The root directory a call works in: ``root`` if given, else :func:`default_root`."""
-    return default_root() if root is None else Path(root).expanduser().absolute()
+__all__ = ["Cache", "list_caches", "open", "open_by_id"]
 
 
 class Cache:
@@ -67,17 +50,16 @@ class Cache:
     ) -> None:
         self._reader = reader
         self._root = root
-        manifest: dict[str, Any] = json.loads(reader.manifest_json)
-        self._manifest = manifest
-        self._decode = decode if decode is not None else decoder_for(manifest["serializer"])
+        self._manifest = reader.manifest
+        self._decode = decode if decode is not None else decoder_for(self._manifest.serializer)
         self._metadata: tuple[int, pl.DataFrame] | None = None
-        registry.remember(self)
+        registry.remember(self.cache_id, self.root, self.name)
 
     # -- identity -------------------------------------------------------------------------
     @property
     def name(self) -> str:
         """The cache's name, unique under its root."""
-        return str(self._manifest["name"])
+        return self._manifest.name
 
     @property
     def root(self) -> Path:
@@ -92,7 +74,7 @@ class Cache:
     @property
     def cache_id(self) -> str:
         """Unique per build: a rebuilt cache of the same name has a new id."""
-        return str(self._manifest["cache_id"])
+        return self._manifest.cache_id
 
     @property
     def serializer(self) -> str:
@@ -100,7 +82,7 @@ class Cache:
 
         ``pickle``, ``pickle-inband``, ``dill`` or ``custom:<module>.<function>``.
         """
-        return serializer_name(str(self._manifest["serializer"]))
+        return self._manifest.serializer
 
     @property
     def decoder(self) -> Decoder | None:
@@ -110,17 +92,17 @@ class Cache:
     @property
     def created_at(self) -> datetime:
         """When the cache was built (UTC)."""
-        return _utc(self._manifest["created_at"])
+        return _utc(self._manifest.created_at)
 
     @property
     def nbytes(self) -> int:
         """Total size of the serialized records in bytes."""
-        return int(self._manifest["nbytes"])
+        return self._manifest.nbytes
 
     @property
     def num_shards(self) -> int:
         """Number of payload shard files."""
-        return len(self._manifest["shards"])
+        return self._manifest.num_shards
 
     def __len__(self) -> int:
         return len(self._reader)
@@ -185,25 +167,24 @@ class Cache:
             ) from exc
 
     # -- metadata ---------------------------------------------------------------------------
-    def _live_manifest(self) -> dict[str, Any]:
-        store = _native.Store(str(self._root))
-        manifest: dict[str, Any] = json.loads(store.manifest_json(self.name))
-        if manifest["cache_id"] != self.cache_id:
+    def _live_manifest(self) -> _native.Manifest:
+        manifest = _native.Store(str(self._root)).manifest(self.name)
+        if manifest.cache_id != self.cache_id:
             raise StaleCacheError(
                 f"cache {self.name!r} was rebuilt since it was opened (cache_id "
-                f"{self.cache_id} is now {manifest['cache_id']}); open it again"
+                f"{self.cache_id} is now {manifest.cache_id}); open it again"
             )
         return manifest
 
     @property
     def metadata_version(self) -> int:
         """The live metadata version: the one :attr:`metadata` returns."""
-        return int(self._live_manifest()["metadata_version"])
+        return self._live_manifest().metadata_version
 
     def _metadata_path(self, version: int) -> Path:
-        return self.path / "metadata" / f"v{version:05d}.parquet"
+        return self.path / _native.metadata_file(version)
 
-    def _checked_metadata_path(self, version: int, manifest: dict[str, Any] | None) -> Path:
+    def _checked_metadata_path(self, version: int, manifest: _native.Manifest | None) -> Path:
         """The file of metadata version ``version``, checked against its recorded checksum.
 
         Checked before parsing: a flipped bit in a weight would parse as a wrong weight.
@@ -212,8 +193,7 @@ class Cache:
         path = self._metadata_path(version)
         if path.is_symlink():
             raise CacheCorruptError(f"{path}: is a symbolic link; cache files must be regular")
-        expected = (manifest or self._live_manifest()).get("metadata_checksums", {})
-        expected = expected.get(str(version))
+        expected = (manifest or self._live_manifest()).metadata_checksums.get(version)
         if expected is not None:
             try:
                 _, digest = _native.file_checksum(path)
@@ -226,7 +206,9 @@ class Cache:
                 )
         return path
 
-    def _read_metadata(self, version: int, manifest: dict[str, Any] | None = None) -> pl.DataFrame:
+    def _read_metadata(
+        self, version: int, manifest: _native.Manifest | None = None
+    ) -> pl.DataFrame:
         path = self._checked_metadata_path(version, manifest)
         try:
             return pl.read_parquet(path)
@@ -237,7 +219,7 @@ class Cache:
     def metadata(self) -> pl.DataFrame:
         """The live metadata table: ``cache_id``, ``sample_id``, attributes, ``weight``."""
         manifest = self._live_manifest()
-        version = int(manifest["metadata_version"])
+        version = manifest.metadata_version
         if self._metadata is None or self._metadata[0] != version:
             self._metadata = (version, self._read_metadata(version, manifest))
         return self._metadata[1]
@@ -245,7 +227,7 @@ class Cache:
     def scan(self) -> pl.LazyFrame:
         """The live metadata table as a LazyFrame (nothing is read until collected)."""
         manifest = self._live_manifest()
-        version = int(manifest["metadata_version"])
+        version = manifest.metadata_version
         return pl.scan_parquet(self._checked_metadata_path(version, manifest))
 
     def metadata_versions(self) -> pl.DataFrame:
@@ -255,7 +237,7 @@ class Cache:
         """
         manifest = self._live_manifest()
         rows = []
-        for version in manifest["metadata_versions"]:
+        for version in manifest.metadata_versions:
             path = self._metadata_path(version)
             schema = pl.read_parquet_schema(path)
             rows.append(
@@ -264,7 +246,7 @@ class Cache:
                     "rows": pl.scan_parquet(path).select(pl.len()).collect().item(),
                     "columns": list(schema),
                     "saved": datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc),
-                    "live": version == manifest["metadata_version"],
+                    "live": version == manifest.metadata_version,
                 }
             )
         return pl.DataFrame(
@@ -281,7 +263,7 @@ class Cache:
 
     def metadata_at(self, version: int) -> pl.DataFrame:
         """The metadata table as saved in ``version``."""
-        versions = self._live_manifest()["metadata_versions"]
+        versions = self._live_manifest().metadata_versions
         if version not in versions:
             raise MetadataError(
                 f"cache {self.name!r} has no metadata version {version!r}; it has {versions}"
@@ -323,9 +305,9 @@ class Cache:
         with store.lock(self.name) as lock:
             # Only the lock holder writes temporary tables, so any found now were left by
             # a process that died mid-save.
-            for stale in (self.path / "metadata").glob(".v*.parquet.tmp-*"):
+            for stale in self._metadata_path(1).parent.glob(".v*.parquet.tmp-*"):
                 stale.unlink(missing_ok=True)
-            versions = self._live_manifest()["metadata_versions"]
+            versions = self._live_manifest().metadata_versions
             version = int(max(versions)) + 1
             final = self._metadata_path(version)
             tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -353,8 +335,6 @@ class Cache:
 
         See :func:`dataset_rt.verify`; damage is listed in the report, not raised.
         """
-        from dataset_rt.verify import verify
-
         return verify(self.name, root=self._root, progress=progress)
 
     # -- display ----------------------------------------------------------------------------
@@ -460,6 +440,19 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: drt.open(name)
     return Cache(reader, root_path, decode)
 
 
+def open_by_id(cache_id: str, root: PathLike | None = None) -> Cache:
+    """Opens the cache whose build has id ``cache_id`` (see :func:`registry.locate`).
+
+    Raises
+    ------
+    CacheNotFoundError
+        No cache with this id where it was seen, nor under ``root``, the roots used so far in
+        this process, or the default root.
+    """
+    reader, root_path = registry.locate(cache_id, root)
+    return Cache(reader, root_path)
+
+
 def list_caches(root: PathLike | None = None) -> pl.DataFrame:
     """The caches under a root, one row each: name, cache_id, samples, bytes, created.
 
@@ -473,18 +466,18 @@ def list_caches(root: PathLike | None = None) -> pl.DataFrame:
     rows: list[dict[str, Any]] = []
     for name in store.names():
         try:
-            m = json.loads(store.manifest_json(name))
+            m = store.manifest(name)
         except CacheCorruptError:
             continue
         rows.append(
             {
                 "name": name,
-                "cache_id": m["cache_id"],
-                "samples": m["num_samples"],
-                "bytes": m["nbytes"],
-                "shards": len(m["shards"]),
-                "serializer": serializer_name(str(m["serializer"])),
-                "created": _utc(m["created_at"]),
+                "cache_id": m.cache_id,
+                "samples": m.num_samples,
+                "bytes": m.nbytes,
+                "shards": m.num_shards,
+                "serializer": m.serializer,
+                "created": _utc(m.created_at),
             }
         )
     schema: dict[str, pl.DataType] = {

@@ -15,6 +15,7 @@ __all__ = [
     "CacheNotFoundError",
     "CacheVersionError",
     "DatasetRTError",
+    "InternalError",
     "LoaderStateError",
     "MetadataError",
     "SampleIndexError",
@@ -83,6 +84,13 @@ class TransformError(DatasetRTError, RuntimeError):
 
 class WorkerError(DatasetRTError, RuntimeError):
     """A loader's worker process did not start in time, or died while sending a batch."""
+
+
+class InternalError(DatasetRTError, RuntimeError):
+    """A broken invariant of dataset_rt itself: a bug, not something the caller did.
+
+    The message asks for a report at the project's issue tracker.
+    """
 
 
 class LoaderStateError(DatasetRTError, ValueError):

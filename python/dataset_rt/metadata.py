@@ -164,20 +164,9 @@ def _out_of_range(key: str, index: int, value: int) -> MetadataError:
 
 def _initial_weight(series: pl.Series) -> pl.Series:
     """Checks a ``weight`` returned by ``metadata()`` and casts it to Float64."""
-    if not (series.dtype.is_numeric() or series.dtype == pl.Null):
-        raise WeightError(f"metadata key 'weight' must be numeric, not {series.dtype}")
-    weight = series.cast(pl.Float64)
-    bad = weight.is_null() | ~weight.is_finite() | (weight < 0)
-    if bad.any():
-        row = int(bad.arg_true()[0])
-        raise WeightError(
-            f"metadata key 'weight' is {weight[row]} for record {row}; weights must be "
-            "finite and non-negative"
-        )
-    total = weight.sum()
-    if len(weight) and (not math.isfinite(total) or total <= 0):
-        raise WeightError(f"metadata key 'weight' sums to {total}; it must be positive and finite")
-    return weight
+    # While a cache is built, a record's index is its sample_id.
+    ids = pl.int_range(series.len(), dtype=pl.Int64, eager=True)
+    return check_weights(series, ids, allow_empty=True)
 
 
 def _first(mask: pl.Series, values: pl.Series) -> object:
@@ -246,10 +235,12 @@ def check_weights(weight: pl.Series, ids: pl.Series, *, allow_empty: bool = Fals
     Raises
     ------
     WeightError
-        A weight is null, negative, NaN or infinite, or all weights are zero.
+        The column is not numeric, a weight is null, negative, NaN or infinite, or all
+        weights are zero. This is the one place the rule lives in Python; the ``.drt``
+        expressions check the same rule in Rust and raise Polars' ``ComputeError``.
     """
-    if not weight.dtype.is_numeric():
-        raise MetadataError(f"column 'weight' must be numeric, not {weight.dtype}")
+    if not (weight.dtype.is_numeric() or weight.dtype == pl.Null):
+        raise WeightError(f"column 'weight' must be numeric, not {weight.dtype}")
     weight = weight.cast(pl.Float64)
     bad = weight.is_null() | ~weight.is_finite() | (weight < 0)
     if bad.any():
@@ -257,8 +248,13 @@ def check_weights(weight: pl.Series, ids: pl.Series, *, allow_empty: bool = Fals
             f"weight {_first(bad, weight)} of sample_id {_first(bad, ids)} is not allowed; "
             "weights must be finite and non-negative"
         )
-    if not weight.sum() > 0 and not (allow_empty and weight.len() == 0):
+    total = weight.sum()
+    if weight.len() == 0 and allow_empty:
+        return weight
+    if not total > 0:
         raise WeightError(
             "all weights are zero (or the table is empty): nothing could ever be drawn"
         )
+    if not math.isfinite(total):
+        raise WeightError(f"weights sum to {total}; the sum must be finite")
     return weight

@@ -12,8 +12,8 @@ from typing import Any
 import polars as pl
 
 from dataset_rt import plugins, summary
-from dataset_rt.cache import PathLike
 from dataset_rt.loader import Loader, epoch_frame
+from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder
 
 __all__ = ["DrtExprNamespace", "DrtFrameNamespace", "DrtLazyFrameNamespace"]

@@ -7,30 +7,26 @@ among the caches under the given root, the roots seen so far and the default roo
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dataset_rt import _native
 from dataset_rt.errors import CacheCorruptError, CacheNotFoundError
+from dataset_rt.roots import PathLike, default_root, resolve_root
 
-if TYPE_CHECKING:
-    from dataset_rt.cache import Cache, PathLike
-
-__all__ = ["find", "remember"]
+__all__ = ["locate", "remember"]
 
 _lock = threading.Lock()
 _places: dict[str, tuple[Path, str]] = {}  # cache_id -> (root, name)
 _roots: dict[Path, None] = {}  # roots seen, in order
 
 
-def remember(cache: Cache) -> None:
-    """Records where the cache with this id lives."""
+def remember(cache_id: str, root: Path, name: str) -> None:
+    """Records that the cache with id ``cache_id`` lives at ``root / name``."""
     with _lock:
-        _places[cache.cache_id] = (cache.root, cache.name)
-        _roots.setdefault(cache.root)
+        _places[cache_id] = (root, name)
+        _roots.setdefault(root)
 
 
 def _search(cache_id: str, roots: Iterable[Path]) -> tuple[Path, str] | None:
@@ -38,16 +34,16 @@ def _search(cache_id: str, roots: Iterable[Path]) -> tuple[Path, str] | None:
         store = _native.Store(str(root))
         for name in store.names():
             try:
-                manifest = json.loads(store.manifest_json(name))
+                manifest = store.manifest(name)
             except (CacheCorruptError, CacheNotFoundError):
                 continue
-            if manifest.get("cache_id") == cache_id:
+            if manifest.cache_id == cache_id:
                 return root, name
     return None
 
 
-def find(cache_id: str, root: PathLike | None = None) -> Cache:
-    """Opens the cache whose build has id ``cache_id``.
+def locate(cache_id: str, root: PathLike | None = None) -> tuple[_native.CacheReader, Path]:
+    """A reader of the cache whose build has id ``cache_id``, and the root it lives under.
 
     Raises
     ------
@@ -56,8 +52,6 @@ def find(cache_id: str, root: PathLike | None = None) -> Cache:
         so far in this process, or the default root. A cache rebuilt under its old name has
         a new id, so frames of the old build fail here instead of reading the wrong bytes.
     """
-    from dataset_rt.cache import Cache, default_root, resolve_root
-
     with _lock:
         known = _places.get(cache_id)
         roots = list(_roots)
@@ -67,8 +61,8 @@ def find(cache_id: str, root: PathLike | None = None) -> Cache:
             reader = _native.Store(str(root_path)).open(name)
         except CacheNotFoundError:
             continue
-        if json.loads(reader.manifest_json)["cache_id"] == cache_id:
-            return Cache(reader, root_path)
+        if reader.manifest.cache_id == cache_id:
+            return reader, root_path
     search_roots = [resolve_root(root)] if root is not None else [*roots, default_root()]
     found = _search(cache_id, dict.fromkeys(search_roots))
     if found is None:
@@ -78,4 +72,4 @@ def find(cache_id: str, root: PathLike | None = None) -> Cache:
             "or lives under another root (pass root=)"
         )
     root_path, name = found
-    return Cache(_native.Store(str(root_path)).open(name), root_path)
+    return _native.Store(str(root_path)).open(name), root_path

@@ -204,9 +204,9 @@ def resolve_serializer(spec: SerializerSpec) -> tuple[str, Serializer]:
         ``(name, serialize)``; custom callables are recorded as ``custom:<module>.<name>``.
     """
     if spec == "pickle":
-        return _STORED_AS["pickle"], dumps
+        return "pickle", dumps
     if spec == "pickle-inband":
-        return _STORED_AS["pickle-inband"], _pickle_dumps
+        return "pickle-inband", _pickle_dumps
     if spec == "dill":
         dill = _import_dill()
 
@@ -226,21 +226,11 @@ def resolve_serializer(spec: SerializerSpec) -> tuple[str, Serializer]:
     )
 
 
-# What the manifest records for each serializer users name. The on-disk names predate the
-# out-of-band format: plain pickle was "pickle" first, so the default became "pickle-oob".
-_STORED_AS = {"pickle": "pickle-oob", "pickle-inband": "pickle"}
-_NAMED = {stored: name for name, stored in _STORED_AS.items()}
-
 _DESCRIPTIONS = {
     "pickle": "pickle protocol 5; arrays of 64 KiB or more stored apart, read back as views",
     "pickle-inband": "plain pickle protocol 5; arrays read back as copies",
     "dill": "dill, which also pickles lambdas and classes defined in __main__",
 }
-
-
-def serializer_name(stored: str) -> str:
-    """The name users pass as ``serializer=`` for what a manifest records as ``stored``."""
-    return _NAMED.get(stored, stored)
 
 
 def describe_serializer(name: str) -> str:
@@ -253,12 +243,13 @@ def describe_serializer(name: str) -> str:
 def decoder_for(serializer: str, *, copy: bool = False) -> Decoder | None:
     """The decoder matching a cache's recorded serializer, or None for custom serializers.
 
-    ``copy`` applies to out-of-band buffers (``"pickle-oob"``): writable private arrays
-    instead of read-only views.
+    The manifest records the names ``serializer=`` takes (the native reader renames those of
+    caches written before format version 2). ``copy`` applies to out-of-band buffers
+    (``"pickle"``): writable private arrays instead of read-only views.
     """
-    if serializer == "pickle-oob":
-        return PickleDecoder(copy=copy)
     if serializer == "pickle":
+        return PickleDecoder(copy=copy)
+    if serializer == "pickle-inband":
         return pickle.loads
     if serializer == "dill":
         return _import_dill().loads  # type: ignore[no-any-return]

@@ -7,9 +7,10 @@ from typing import Any
 
 import polars as pl
 
-from dataset_rt import plugins, registry
-from dataset_rt.cache import PathLike
+from dataset_rt import plugins
+from dataset_rt.cache import open_by_id
 from dataset_rt.errors import ArgumentError
+from dataset_rt.roots import PathLike
 
 __all__ = ["plot", "records", "summary"]
 
@@ -77,5 +78,5 @@ def records(frame: pl.LazyFrame, n: int = 5, *, root: PathLike | None = None) ->
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ArgumentError(f"n must be a non-negative integer, got {n!r}")
     rows = frame.select("cache_id", "sample_id").head(n).collect()
-    caches = {cid: registry.find(cid, root) for cid in rows["cache_id"].unique().to_list()}
+    caches = {cid: open_by_id(cid, root) for cid in rows["cache_id"].unique().to_list()}
     return [caches[cid].get(sid) for cid, sid in rows.iter_rows()]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -11,10 +10,10 @@ from pathlib import Path
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt.cache import PathLike, resolve_root
 from dataset_rt.errors import CacheCorruptError, DatasetRTError
 from dataset_rt.metadata import checked_edit
 from dataset_rt.progress import format_bytes
+from dataset_rt.roots import PathLike, resolve_root
 
 __all__ = ["Problem", "VerifyReport", "verify"]
 
@@ -81,23 +80,16 @@ class VerifyReport:
         return f"{head}: {len(self.problems)} problem(s)\n{lines}"
 
 
-def _check_metadata(path: Path, manifest: dict[str, object], known_bad: set[str]) -> list[Problem]:
+def _check_metadata(path: Path, manifest: _native.Manifest, known_bad: set[str]) -> list[Problem]:
     """Parses every metadata version and checks its rows against the cache."""
     problems = []
-    versions = manifest.get("metadata_versions", [])
-    if not isinstance(versions, list) or not all(type(v) is int for v in versions):
-        return [
-            Problem("manifest.json", f"metadata_versions is not a list of integers: {versions!r}")
-        ]
-    for version in versions:
-        file = f"metadata/v{version:05d}.parquet"
+    for version in manifest.metadata_versions:
+        file = _native.metadata_file(version)
         if file in known_bad:
             continue
         try:
             frame = pl.read_parquet(path / file)
-            checked_edit(
-                frame, str(manifest["cache_id"]), int(str(manifest["num_samples"])), path.name
-            )
+            checked_edit(frame, manifest.cache_id, manifest.num_samples, path.name)
         except (OSError, pl.exceptions.PolarsError) as exc:
             problems.append(Problem(file, f"unreadable metadata table: {exc}"))
         except DatasetRTError as exc:
@@ -153,7 +145,7 @@ def verify(name: str, *, root: PathLike | None = None, progress: bool = True) ->
     problems = [Problem(file, message, list(ids)) for file, message, ids in found]
     path = root_path / name
     if not any(p.file == "manifest.json" for p in problems):
-        manifest = json.loads(store.manifest_json(name))
+        manifest = store.manifest(name)
         problems += _check_metadata(path, manifest, {p.file for p in problems})
     return VerifyReport(
         name=name,

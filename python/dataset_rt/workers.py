@@ -43,7 +43,7 @@ import torch.utils.data as tud
 
 from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, WorkerError
-from dataset_rt.loader import LoaderSpec, assemble
+from dataset_rt.pipeline import LoaderSpec, assemble
 
 __all__ = ["DEFAULT_START_TIMEOUT", "pack", "start_timeout", "worker_batches"]
 

@@ -88,6 +88,21 @@ pub enum Error {
     /// The operation was interrupted (for example by Ctrl-C while waiting on a lock).
     #[error("interrupted")]
     Interrupted,
+    /// The operating system refused a resource that is not a file (a thread, memory).
+    #[error("{what}: {source}")]
+    System {
+        /// What was being obtained.
+        what: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A broken invariant of dataset_rt itself: a bug, never the caller's doing.
+    #[error(
+        "internal error: {0}. This is a bug in dataset_rt; please report it, with this \
+         message, at https://github.com/dataset-rt/dataset-rt/issues"
+    )]
+    Internal(String),
 }
 
 /// Quotes a user-given string the way Python's `repr` does: `'name'`, with escapes.
@@ -139,4 +154,37 @@ macro_rules! bail_arg {
     ($($fmt:tt)+) => {
         return Err($crate::error::Error::InvalidArgument(format!($($fmt)+)))
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn internal_errors_say_they_are_bugs_and_where_to_report_them() {
+        let text = Error::Internal("row 3 is in group 9 of 2".into()).to_string();
+        assert!(
+            text.starts_with("internal error: row 3 is in group 9 of 2."),
+            "{text}"
+        );
+        assert!(text.contains("please report it"), "{text}");
+        assert!(
+            text.contains("github.com/dataset-rt/dataset-rt/issues"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn system_errors_say_what_was_refused() {
+        let source = std::io::Error::from_raw_os_error(libc::EAGAIN);
+        let err = Error::System {
+            what: "cannot start the prefetch thread".into(),
+            source,
+        };
+        assert!(
+            err.to_string()
+                .starts_with("cannot start the prefetch thread: "),
+            "{err}"
+        );
+    }
 }

@@ -16,7 +16,12 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, IoContext, Result};
 
 /// The format version this build writes, and the newest it reads.
-pub const FORMAT_VERSION: u64 = 1;
+///
+/// Version 2 records serializers by the names `drt.cache(serializer=...)` takes. Version 1
+/// recorded the default one (protocol 5 with out-of-band buffers) as `pickle-oob` and plain
+/// in-band pickle as `pickle`; such manifests are read into the version 2 names, and written
+/// back as version 2 when they are next committed.
+pub const FORMAT_VERSION: u64 = 2;
 /// The name of the manifest file inside a cache directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The name of the index file inside a cache directory.
@@ -58,7 +63,8 @@ pub struct Manifest {
     pub nbytes: u64,
     /// Alignment of every record's first byte within its shard.
     pub alignment: u64,
-    /// How the records were serialized: `pickle`, `dill`, or `custom:<qualified name>`.
+    /// How the records were serialized: `pickle` (protocol 5, large buffers out of band),
+    /// `pickle-inband`, `dill`, or `custom:<qualified name>`.
     pub serializer: String,
     /// Compression of the records; `none` is the only one so far.
     pub compression: String,
@@ -103,17 +109,31 @@ impl Manifest {
                 supported: FORMAT_VERSION,
             });
         }
-        let manifest: Manifest = serde_json::from_value(value)
+        let mut manifest: Manifest = serde_json::from_value(value)
             .map_err(|e| Error::corrupt(&path, format!("malformed manifest: {e}")))?;
         manifest.check(&path)?;
+        manifest.upgrade();
         Ok(manifest)
     }
 
     /// Writes the manifest into `dir` atomically (temporary file, fsync, rename).
     pub fn write(&self, dir: &Path) -> Result<()> {
         let text = serde_json::to_vec_pretty(self)
-            .map_err(|e| Error::InvalidArgument(format!("cannot encode manifest: {e}")))?;
+            .map_err(|e| Error::Internal(format!("cannot encode manifest: {e}")))?;
         write_atomic(&dir.join(MANIFEST_FILE), &text)
+    }
+
+    /// Brings a manifest of an older format version to this one, in memory.
+    fn upgrade(&mut self) {
+        if self.format_version < 2 {
+            let renamed = match self.serializer.as_str() {
+                "pickle-oob" => "pickle",
+                "pickle" => "pickle-inband",
+                other => other,
+            };
+            self.serializer = renamed.to_string();
+        }
+        self.format_version = FORMAT_VERSION;
     }
 
     /// The relative path of metadata version `version`.

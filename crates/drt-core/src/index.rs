@@ -86,7 +86,7 @@ impl IndexBuilder {
         ];
         let schema = Arc::new(schema());
         let batch = RecordBatch::try_new(schema.clone(), columns)
-            .map_err(|e| Error::InvalidArgument(format!("index batch: {e}")))?;
+            .map_err(|e| Error::Internal(format!("index batch: {e}")))?;
         let file = std::fs::File::create(path).at(path)?;
         let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(1 << 20, file));
         let ipc_err = |e: arrow_schema::ArrowError| Error::Io {

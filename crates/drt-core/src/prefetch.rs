@@ -102,6 +102,17 @@ impl Eq for Recycle {}
 pub const BATCH_ALIGN: usize = 64;
 
 impl Batch {
+    /// Record `sample_id` of `reader` copied into a one-record batch, at an aligned address.
+    pub fn of_record(reader: &CacheReader, sample_id: u64, verify: bool) -> Result<Batch> {
+        reader.guarded_record(sample_id, verify, |bytes| {
+            let mut batch = Batch::default();
+            batch.caches.push(0);
+            batch.sample_ids.push(sample_id);
+            batch.fill(&[bytes], bytes.len());
+            batch
+        })
+    }
+
     /// The bytes of record `i`. Those of a record left in its shard may be read outside a
     /// guarded section only because its file is registered with [`crate::sigbus`].
     pub fn record(&self, i: usize) -> &[u8] {
@@ -221,7 +232,7 @@ impl Source {
                 reader.poison();
             }
             return Err(self.caches.first().map_or_else(
-                || Error::InvalidArgument("a mapped file shrank".into()),
+                || Error::Internal("a mapped file shrank, but the source has no caches".into()),
                 CacheReader::shrank,
             ));
         }
@@ -239,9 +250,10 @@ impl Source {
         let mut spans = Vec::with_capacity(batch.len());
         let mut outside = Vec::with_capacity(batch.len());
         for (&cache, &sample_id) in batch.caches.iter().zip(&batch.sample_ids) {
-            let reader = self.caches.get(cache as usize).ok_or_else(|| {
-                Error::InvalidArgument(format!("cache code {cache} has no open cache"))
-            })?;
+            let reader = self
+                .caches
+                .get(cache as usize)
+                .ok_or_else(|| Error::Internal(format!("cache code {cache} has no open cache")))?;
             let span = reader.span(sample_id, self.verify)?;
             let leave = self.views.as_ref().is_some_and(|rule| rule.applies(&span));
             if leave {
@@ -307,9 +319,7 @@ impl Prefetcher {
                     // abort the process or leave it waiting.
                     let result = catch_unwind(AssertUnwindSafe(|| source.read(number)))
                         .unwrap_or_else(|_| {
-                            Err(Error::InvalidArgument(format!(
-                                "reading batch {number} panicked"
-                            )))
+                            Err(Error::Internal(format!("reading batch {number} panicked")))
                         });
                     let failed = result.is_err();
                     // Counted before sending, so that the consumer never sees it below 0.
@@ -319,8 +329,8 @@ impl Prefetcher {
                     }
                 }
             })
-            .map_err(|source| Error::Io {
-                path: "<prefetch thread>".into(),
+            .map_err(|source| Error::System {
+                what: "cannot start the prefetch thread".into(),
                 source,
             })?;
         Ok(Self {

@@ -249,18 +249,10 @@ impl CacheReader {
         self.guarded_record(sample_id, verify, <[u8]>::to_vec)
     }
 
-    /// Record `sample_id` copied into a one-record batch, at an aligned address.
-    pub fn record_batch(&self, sample_id: u64, verify: bool) -> Result<crate::prefetch::Batch> {
-        self.guarded_record(sample_id, verify, |bytes| {
-            let mut batch = crate::prefetch::Batch::default();
-            batch.caches.push(0);
-            batch.sample_ids.push(sample_id);
-            batch.fill(&[bytes], bytes.len());
-            batch
-        })
-    }
-
-    fn guarded_record<T>(
+    /// `copy(bytes)` of record `sample_id`'s bytes, checked against its checksum if
+    /// `verify`. `copy` runs while the mapping is guarded: a shard truncated under it yields
+    /// an error instead of SIGBUS.
+    pub fn guarded_record<T>(
         &self,
         sample_id: u64,
         verify: bool,
@@ -385,6 +377,7 @@ fn check_digest(sample_id: u64, loc: &Location, shard: &Shard, bytes: &[u8]) -> 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::format::FORMAT_VERSION;
     use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};
 
     /// Writes `records` as a cache into `dir` (shared by the tests of other modules).
@@ -548,6 +541,32 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn format_1_serializer_names_read_as_the_names_users_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        build(dir.path(), &records(3), WriteOptions::default());
+        let manifest_path = dir.path().join("manifest.json");
+        let text = std::fs::read_to_string(&manifest_path).unwrap();
+        assert!(text.contains("\"format_version\": 2"), "{text}");
+        assert!(text.contains("\"serializer\": \"pickle\""), "{text}");
+        for (stored, read) in [
+            ("pickle-oob", "pickle"),
+            ("pickle", "pickle-inband"),
+            ("dill", "dill"),
+        ] {
+            let old = text
+                .replace("\"format_version\": 2", "\"format_version\": 1")
+                .replace(
+                    "\"serializer\": \"pickle\"",
+                    &format!("\"serializer\": \"{stored}\""),
+                );
+            std::fs::write(&manifest_path, old).unwrap();
+            let manifest = CacheReader::open(dir.path()).unwrap().manifest().clone();
+            assert_eq!(manifest.serializer, read, "format 1 {stored:?}");
+            assert_eq!(manifest.format_version, FORMAT_VERSION);
+        }
+    }
+
+    #[test]
     fn missing_shard_and_newer_format_are_reported() {
         let dir = tempfile::tempdir().unwrap();
         build(dir.path(), &records(5), WriteOptions::default());
@@ -555,7 +574,7 @@ pub(crate) mod tests {
         let text = std::fs::read_to_string(&manifest_path).unwrap();
         std::fs::write(
             &manifest_path,
-            text.replace("\"format_version\": 1", "\"format_version\": 99"),
+            text.replace("\"format_version\": 2", "\"format_version\": 99"),
         )
         .unwrap();
         assert!(matches!(

@@ -224,7 +224,7 @@ impl Store {
             ));
         }
         if manifest.metadata_versions.contains(&version) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::Internal(format!(
                 "metadata version {version} of cache {} already exists",
                 crate::error::quote(&lock.name)
             )));

@@ -73,9 +73,9 @@ pub fn balance(
     let base_of = |i: usize| base.map_or(1.0, |b| b[i]);
     let mut totals = vec![0.0f64; num_groups];
     for (i, &g) in group_of_row.iter().enumerate() {
-        let slot = totals.get_mut(g as usize).ok_or_else(|| {
-            Error::InvalidArgument(format!("row {i} is in group {g} of {num_groups}"))
-        })?;
+        let slot = totals
+            .get_mut(g as usize)
+            .ok_or_else(|| Error::Internal(format!("row {i} is in group {g} of {num_groups}")))?;
         *slot += base_of(i);
     }
     let factors: Vec<f64> = totals

@@ -139,12 +139,10 @@ impl WriteBehind {
         let thread = self
             .thread
             .take()
-            .ok_or_else(|| Error::InvalidArgument("the cache writer already stopped".into()))?;
+            .ok_or_else(|| Error::Internal("the cache writer already stopped".into()))?;
         match thread.join() {
             Ok(result) => result,
-            Err(_) => Err(Error::InvalidArgument(
-                "the cache writer thread panicked".into(),
-            )),
+            Err(_) => Err(Error::Internal("the cache writer thread panicked".into())),
         }
     }
 

@@ -8,7 +8,7 @@ use drt_core::writer::ManifestInfo;
 use pyo3::prelude::*;
 
 use crate::errors::run;
-use crate::store::PyBuildLock;
+use crate::lock::PyBuildLock;
 
 /// Records at least this long are copied into the write-behind batch with the GIL released.
 const DETACH_THRESHOLD: usize = 64 << 10;
@@ -45,7 +45,7 @@ impl PyCacheBuilder {
 
     fn writer(&mut self) -> drt_core::Result<&mut WriteBehind> {
         self.writer.as_mut().ok_or_else(|| {
-            drt_core::Error::InvalidArgument("the build was already finished or aborted".into())
+            drt_core::Error::Internal("the build was already finished or aborted".into())
         })
     }
 }
@@ -100,7 +100,7 @@ impl PyCacheBuilder {
         let lock = self.lock.clone_ref(py);
         run(py, || {
             let writer = self.writer.take().ok_or_else(|| {
-                drt_core::Error::InvalidArgument("the build was already finished".into())
+                drt_core::Error::Internal("the build was already finished".into())
             })?;
             let info = ManifestInfo {
                 name: self.name.clone(),

@@ -17,6 +17,8 @@ pub fn to_py(py: Python<'_>, err: Error) -> PyErr {
         Error::SampleOutOfRange { .. } => "SampleIndexError",
         Error::InvalidArgument(_) => "ArgumentError",
         Error::Interrupted => "DatasetRTError",
+        Error::System { .. } => "CacheIOError",
+        Error::Internal(_) => "InternalError",
     };
     let message = err.to_string();
     let build = || -> PyResult<PyErr> {
@@ -28,6 +30,9 @@ pub fn to_py(py: Python<'_>, err: Error) -> PyErr {
                 source.to_string(),
                 path.to_string_lossy().into_owned(),
             ))?,
+            Error::System { source, .. } => {
+                cls.call1((source.raw_os_error().unwrap_or(0), message.as_str()))?
+            }
             _ => cls.call1((message.as_str(),))?,
         };
         Ok(PyErr::from_value(value))

@@ -9,6 +9,8 @@ mod arrow;
 mod builder;
 mod errors;
 mod loader;
+mod lock;
+mod manifest;
 mod reader;
 mod store;
 
@@ -22,15 +24,17 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", drt_core::format::FORMAT_VERSION)?;
     m.add_class::<store::PyStore>()?;
-    m.add_class::<store::PyBuildLock>()?;
+    m.add_class::<lock::PyBuildLock>()?;
     m.add_class::<builder::PyCacheBuilder>()?;
     m.add_class::<reader::PyCacheReader>()?;
+    m.add_class::<manifest::PyManifest>()?;
     m.add_class::<loader::PySchedule>()?;
     m.add_class::<loader::PyBatch>()?;
     m.add_class::<loader::PyMappedRecord>()?;
     m.add_class::<loader::PyBatchStream>()?;
     m.add_function(wrap_pyfunction!(store::validate_name, m)?)?;
     m.add_function(wrap_pyfunction!(store::file_checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(store::metadata_file, m)?)?;
     m.add_function(wrap_pyfunction!(loader::write_plan, m)?)?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use drt_core::format::Manifest;
+use drt_core::prefetch::Batch;
 use drt_core::reader::CacheReader;
 use pyo3::prelude::*;
 
@@ -10,12 +10,7 @@ use crate::loader::PyBatch;
 use pyo3::types::PyBytes;
 
 use crate::errors::to_py;
-
-/// The manifest as JSON text, for the Python side to parse.
-pub fn manifest_to_json(manifest: &Manifest) -> String {
-    // INVARIANT: a Manifest is plain data that always serializes.
-    serde_json::to_string(manifest).unwrap_or_default()
-}
+use crate::manifest::PyManifest;
 
 #[pyclass(name = "CacheReader", module = "dataset_rt._native", frozen)]
 pub struct PyCacheReader {
@@ -38,8 +33,8 @@ impl PyCacheReader {
     }
 
     #[getter]
-    fn manifest_json(&self) -> String {
-        manifest_to_json(self.inner.manifest())
+    fn manifest(&self) -> PyManifest {
+        PyManifest::from(self.inner.manifest())
     }
 
     fn __len__(&self) -> usize {
@@ -50,8 +45,7 @@ impl PyCacheReader {
     /// decoding arrays as views (`batch.views()[0]`).
     #[pyo3(signature = (sample_id, verify = false))]
     fn get_batch(&self, py: Python<'_>, sample_id: u64, verify: bool) -> PyResult<PyBatch> {
-        self.inner
-            .record_batch(sample_id, verify)
+        Batch::of_record(&self.inner, sample_id, verify)
             .map(PyBatch::from)
             .map_err(|e| to_py(py, e))
     }

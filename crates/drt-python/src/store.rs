@@ -1,21 +1,29 @@
 //! `Store` and `BuildLock`: a root of caches and the per-name build lock.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 
-use drt_core::store::{BuildLock, Store};
+use drt_core::store::Store;
 use drt_core::write_behind::WriteBehind;
 use drt_core::writer::{CacheWriter, WriteOptions};
 use pyo3::prelude::*;
 
 use crate::builder::PyCacheBuilder;
 use crate::errors::{run, run_interruptible, to_py};
+use crate::lock::PyBuildLock;
+use crate::manifest::PyManifest;
 use crate::reader::PyCacheReader;
 
 /// Checks a cache name; raises `CacheNameError` naming what is wrong with it.
 #[pyfunction]
 pub fn validate_name(py: Python<'_>, name: &str) -> PyResult<()> {
     drt_core::format::validate_name(name).map_err(|e| to_py(py, e))
+}
+
+/// The path of metadata version `version` within a cache's directory: the format owns the
+/// naming, so Python never spells it.
+#[pyfunction]
+pub fn metadata_file(version: u32) -> String {
+    drt_core::format::Manifest::metadata_file(version)
 }
 
 /// The size and xxh3-64 (16 hex digits) of a file, read without mapping it.
@@ -56,9 +64,9 @@ impl PyStore {
         run(py, || self.inner.exists(name))
     }
 
-    fn manifest_json(&self, py: Python<'_>, name: &str) -> PyResult<String> {
+    fn manifest(&self, py: Python<'_>, name: &str) -> PyResult<PyManifest> {
         let manifest = run(py, || self.inner.manifest(name))?;
-        Ok(crate::reader::manifest_to_json(&manifest))
+        Ok(PyManifest::from(&manifest))
     }
 
     /// Verifies cache `name` completely; returns (files checked, samples checked, bytes read,
@@ -80,16 +88,25 @@ impl PyStore {
             })?;
             self.inner.cache_dir(name)
         })?;
+        // An exception raised by the progress callback stops the check and reaches the
+        // caller as itself.
+        let mut failed: Option<PyErr> = None;
         let report = run_interruptible(py, |poll| {
             drt_core::verify::verify(&dir, |bytes| {
                 poll()?;
                 if let Some(callback) = &progress {
-                    Python::attach(|py| callback.call1(py, (bytes,)).map(|_| ()))
-                        .map_err(|e| drt_core::Error::InvalidArgument(e.to_string()))?;
+                    Python::attach(|py| callback.call1(py, (bytes,)).map(|_| ())).map_err(|e| {
+                        failed = Some(e);
+                        drt_core::Error::Interrupted
+                    })?;
                 }
                 Ok(())
             })
-        })?;
+        });
+        if let Some(err) = failed {
+            return Err(err);
+        }
+        let report = report?;
         let problems = report
             .problems
             .into_iter()
@@ -114,10 +131,7 @@ impl PyStore {
 
     fn lock(&self, py: Python<'_>, name: &str) -> PyResult<PyBuildLock> {
         let (lock, waited) = run_interruptible(py, |poll| self.inner.lock(name, poll))?;
-        Ok(PyBuildLock {
-            inner: Mutex::new(Some(lock)),
-            waited,
-        })
+        Ok(PyBuildLock::new(lock, waited))
     }
 
     fn commit_metadata(
@@ -157,59 +171,5 @@ impl PyStore {
             })
         })?;
         PyCacheBuilder::new(self.inner.clone(), lock, name, dir, writer, py)
-    }
-}
-
-#[pyclass(name = "BuildLock", module = "dataset_rt._native", frozen)]
-pub struct PyBuildLock {
-    inner: Mutex<Option<BuildLock>>,
-    waited: bool,
-}
-
-impl PyBuildLock {
-    /// Runs `f` with the lock, or fails once the lock was released.
-    pub fn with<T>(
-        &self,
-        f: impl FnOnce(&BuildLock) -> drt_core::Result<T>,
-    ) -> drt_core::Result<T> {
-        let guard = self
-            .inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match guard.as_ref() {
-            Some(held) => f(held),
-            None => Err(drt_core::Error::InvalidArgument(
-                "the build lock was already released".into(),
-            )),
-        }
-    }
-}
-
-#[pymethods]
-impl PyBuildLock {
-    /// Whether taking the lock had to wait for another process.
-    #[getter]
-    fn waited(&self) -> bool {
-        self.waited
-    }
-
-    fn release(&self) {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __exit__(
-        &self,
-        _exc_type: &Bound<'_, PyAny>,
-        _exc: &Bound<'_, PyAny>,
-        _tb: &Bound<'_, PyAny>,
-    ) {
-        self.release();
     }
 }

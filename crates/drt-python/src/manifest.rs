@@ -1,0 +1,70 @@
+//! `Manifest`: a read-only view of a cache's manifest, built once from the engine's struct.
+//!
+//! Python reads the manifest only through this class, so renaming a field of
+//! [`drt_core::format::Manifest`] fails to compile here instead of failing at run time.
+
+use std::collections::BTreeMap;
+
+use drt_core::format::Manifest;
+use pyo3::prelude::*;
+
+/// What a cache's manifest records (see `docs/design.md`).
+#[pyclass(name = "Manifest", module = "dataset_rt._native", frozen, get_all)]
+pub struct PyManifest {
+    /// The format version (older manifests read as the current one).
+    format_version: u64,
+    /// The cache's name.
+    name: String,
+    /// Unique per build.
+    cache_id: String,
+    /// Number of records.
+    num_samples: u64,
+    /// Sum of the records' lengths.
+    nbytes: u64,
+    /// Alignment of every record within its shard.
+    alignment: u64,
+    /// The serializer, by the name `drt.cache(serializer=...)` takes.
+    serializer: String,
+    /// Compression of the records.
+    compression: String,
+    /// UTC creation time, RFC 3339.
+    created_at: String,
+    /// Number of payload shards.
+    num_shards: usize,
+    /// The live metadata version.
+    metadata_version: u32,
+    /// Every saved metadata version, oldest first.
+    metadata_versions: Vec<u32>,
+    /// xxh3-64 (hex) of each metadata version's file, where recorded.
+    metadata_checksums: BTreeMap<u32, String>,
+}
+
+impl From<&Manifest> for PyManifest {
+    fn from(m: &Manifest) -> Self {
+        Self {
+            format_version: m.format_version,
+            name: m.name.clone(),
+            cache_id: m.cache_id.clone(),
+            num_samples: m.num_samples,
+            nbytes: m.nbytes,
+            alignment: m.alignment,
+            serializer: m.serializer.clone(),
+            compression: m.compression.clone(),
+            created_at: m.created_at.clone(),
+            num_shards: m.shards.len(),
+            metadata_version: m.metadata_version,
+            metadata_versions: m.metadata_versions.clone(),
+            metadata_checksums: m.metadata_checksums.clone(),
+        }
+    }
+}
+
+#[pymethods]
+impl PyManifest {
+    fn __repr__(&self) -> String {
+        format!(
+            "Manifest(name={:?}, cache_id={:?}, num_samples={}, format_version={})",
+            self.name, self.cache_id, self.num_samples, self.format_version
+        )
+    }
+}

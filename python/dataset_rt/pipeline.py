@@ -1,0 +1,147 @@
+"""One batch's way from the native reader to the training loop: decode, transform, collate.
+
+The same code runs in the loader's own process and in its worker processes; a
+:class:`LoaderSpec` carries what it needs across.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dataset_rt import _native
+from dataset_rt.errors import CacheCorruptError, SerializationError, TransformError
+from dataset_rt.serialize import MAGIC, MIN_OUT_OF_BAND, Decoder
+
+__all__ = ["Collate", "LoaderSpec", "Transform", "assemble", "decode_batch"]
+
+Collate = Callable[[list[Any]], Any]
+Transform = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """Everything a process needs to read a loader's batches; small and picklable."""
+
+    plan: str
+    cache_dirs: tuple[str, ...]
+    cache_ids: tuple[str, ...]
+    cache_names: tuple[str, ...]
+    decoders: tuple[Decoder, ...]
+    transform: Transform | None
+    collate: Collate
+    seed: int
+    depth: int
+    verify: bool
+    views: bool = False
+    """Every cache uses its default pickle decoder (``decoders`` are :func:`loads`): batches
+    decode in one native loop, arrays as views of the mapped shard (large records) or of the
+    batch buffer."""
+
+    def stream(
+        self, schedule: _native.Schedule, epoch: int, first: int, step: int
+    ) -> _native.BatchStream:
+        """The native stream of batches ``first, first + step, ...`` of ``schedule``."""
+        return _native.BatchStream(
+            self.plan,
+            list(self.cache_dirs),
+            list(self.cache_ids),
+            schedule,
+            self.seed,
+            epoch,
+            first,
+            step,
+            self.depth,
+            self.verify,
+            # Records with out-of-band arrays (of MIN_OUT_OF_BAND bytes or more) are not copied
+            # into the batch: their arrays view the shard, and collating is their one copy.
+            MAGIC if self.views else None,
+            MIN_OUT_OF_BAND,
+        )
+
+
+def _apply(
+    fn: Callable[[Any], Any], items: list[Any], spec: LoaderSpec, batch: _native.Batch, what: str
+) -> list[Any]:
+    """``[fn(x) for x in items]`` at C speed; on failure, names the sample that failed.
+
+    After a failure the items are applied again one by one to find the culprit, so ``fn``
+    runs twice on the records before it: only on the way to raising the error.
+    """
+    try:
+        return list(map(fn, items))
+    except Exception:
+        pass
+    ids, caches = batch.sample_ids, batch.caches
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(fn(item))
+        except Exception as exc:
+            where = f"sample_id {ids[i]} of cache {spec.cache_names[caches[i]]!r}"
+            if what == "decode":
+                hint = (
+                    "; the record names a class defined in a script's __main__, which only "
+                    "that script has: define the class in a module, or cache the records "
+                    'with serializer="dill"'
+                    if "__main__" in str(exc)
+                    else ""
+                )
+                raise SerializationError(f"decoding {where} failed: {exc!r}{hint}") from exc
+            raise TransformError(f"transform failed on {where}: {exc!r}") from exc
+    return out  # pragma: no cover - only reached if fn fails once and then succeeds
+
+
+def decode_batch(batch: _native.Batch, spec: LoaderSpec) -> list[Any]:
+    """The records of one native batch, decoded by the loader's decoders."""
+    if spec.views:
+        try:
+            return batch.decode(pickle.loads, spec.decoders[0], MAGIC)
+        except Exception:
+            # Decode again record by record, to name the one that fails.
+            return _apply(spec.decoders[0], batch.views(), spec, batch, "decode")
+    if len(spec.decoders) == 1:
+        return _apply(spec.decoders[0], batch.records(), spec, batch, "decode")
+    decoders = spec.decoders
+    pairs = list(zip(batch.caches, batch.records(), strict=True))
+    return _apply(lambda p: decoders[p[0]](p[1]), pairs, spec, batch, "decode")
+
+
+def assemble(batch: _native.Batch, spec: LoaderSpec, times: list[float] | None = None) -> Any:
+    """Decodes, transforms and collates the records of one native batch.
+
+    If ``times`` is given, the seconds spent decoding, transforming and collating are added
+    to its first three items.
+    """
+    start = time.perf_counter()
+    try:
+        records = decode_batch(batch, spec)
+        decoded = time.perf_counter()
+        if spec.transform is not None:
+            records = _apply(spec.transform, records, spec, batch, "transform")
+        transformed = time.perf_counter()
+        out = spec.collate(records)
+    except Exception as exc:
+        if batch.shrank:  # what failed read zeros: report that
+            raise _shrank(batch, spec) from exc
+        raise
+    if batch.shrank:  # arrays viewing a shard read zeros where it was truncated
+        raise _shrank(batch, spec)
+    if times is not None:
+        times[0] += decoded - start
+        times[1] += transformed - decoded
+        times[2] += time.perf_counter() - transformed
+    return out
+
+
+def _shrank(batch: _native.Batch, spec: LoaderSpec) -> CacheCorruptError:
+    """The error for a batch whose arrays read zeros from a shard truncated under them."""
+    names = ", ".join(sorted({repr(spec.cache_names[c]) for c in batch.caches}))
+    return CacheCorruptError(
+        f"a file of cache {names} shrank while it was mapped (truncated by another "
+        f"process?): batch {batch.number} read zeros from it. Check it with "
+        "`dataset-rt verify`, rebuild it if damaged, and open it again"
+    )
