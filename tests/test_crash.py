@@ -169,7 +169,7 @@ import os, signal, sys
 import polars as pl
 import dataset_rt as drt
 
-cache_module = sys.modules["dataset_rt.cache"]  # drt.cache is the function of that name
+cache_module = sys.modules["dataset_rt.caches"]
 
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)

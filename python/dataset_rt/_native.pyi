@@ -7,6 +7,9 @@ from typing import Any, final
 
 __all__ = [
     "FORMAT_VERSION",
+    "MIN_OUT_OF_BAND",
+    "OOB_MAGIC",
+    "RECORD_ALIGN",
     "Batch",
     "BatchStream",
     "BuildLock",
@@ -25,6 +28,9 @@ __all__ = [
 
 __version__: str
 FORMAT_VERSION: int
+OOB_MAGIC: bytes
+RECORD_ALIGN: int
+MIN_OUT_OF_BAND: int
 
 def validate_name(name: str) -> None: ...
 def file_checksum(path: str | PathLike[str]) -> tuple[int, str]: ...
@@ -151,9 +157,7 @@ class Batch:
     def shrank(self) -> bool: ...
     def records(self) -> list[bytes]: ...
     def views(self) -> list[memoryview]: ...
-    def decode(
-        self, plain: Callable[[Any], Any], oob: Callable[[Any], Any], magic: bytes
-    ) -> list[Any]: ...
+    def decode(self, plain: Callable[[Any], Any], oob: Callable[[Any], Any]) -> list[Any]: ...
     @property
     def starts(self) -> list[int]: ...
     @property
@@ -183,8 +187,7 @@ class BatchStream:
         step: int,
         depth: int,
         verify: bool,
-        view_prefix: bytes | None = None,
-        view_min_len: int = 0,
+        views: bool = False,
     ) -> BatchStream: ...
     def __iter__(self) -> BatchStream: ...
     def __next__(self) -> Batch: ...

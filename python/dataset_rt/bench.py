@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dataset_rt.cache import open as open_cache
+from dataset_rt.caches import open as open_cache
 from dataset_rt.errors import ArgumentError
 from dataset_rt.loader import Loader
 from dataset_rt.pipeline import decode_batch

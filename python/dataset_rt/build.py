@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dataset_rt import _native
-from dataset_rt.cache import Cache, fsync_file
+from dataset_rt.caches import Cache, fsync_file
 from dataset_rt.errors import (
     ArgumentError,
     CacheCorruptError,

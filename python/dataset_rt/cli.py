@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import polars as pl
 
-from dataset_rt.cache import list_caches, open
+from dataset_rt.caches import list_caches, open
 from dataset_rt.errors import ArgumentError, DatasetRTError
 from dataset_rt.progress import format_bytes
 from dataset_rt.serialize import describe_serializer

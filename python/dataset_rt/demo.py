@@ -7,7 +7,7 @@ from typing import Any
 import polars as pl
 
 from dataset_rt.build import cache
-from dataset_rt.cache import Cache
+from dataset_rt.caches import Cache
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import describe_serializer
 

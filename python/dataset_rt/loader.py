@@ -18,7 +18,7 @@ from typing import Any
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt.cache import Cache, open_by_id
+from dataset_rt.caches import Cache, open_by_id
 from dataset_rt.errors import (
     ArgumentError,
     LoaderStateError,

@@ -14,7 +14,7 @@ from typing import Any
 
 from dataset_rt import _native
 from dataset_rt.errors import CacheCorruptError, SerializationError, TransformError
-from dataset_rt.serialize import MAGIC, MIN_OUT_OF_BAND, Decoder
+from dataset_rt.serialize import Decoder
 
 __all__ = ["Collate", "LoaderSpec", "Transform", "assemble", "decode_batch"]
 
@@ -56,10 +56,9 @@ class LoaderSpec:
             step,
             self.depth,
             self.verify,
-            # Records with out-of-band arrays (of MIN_OUT_OF_BAND bytes or more) are not copied
-            # into the batch: their arrays view the shard, and collating is their one copy.
-            MAGIC if self.views else None,
-            MIN_OUT_OF_BAND,
+            # Records with large out-of-band arrays are not copied into the batch: their
+            # arrays view the shard, and collating is their one copy.
+            self.views,
         )
 
 
@@ -99,7 +98,7 @@ def decode_batch(batch: _native.Batch, spec: LoaderSpec) -> list[Any]:
     """The records of one native batch, decoded by the loader's decoders."""
     if spec.views:
         try:
-            return batch.decode(pickle.loads, spec.decoders[0], MAGIC)
+            return batch.decode(pickle.loads, spec.decoders[0])
         except Exception:
             # Decode again record by record, to name the one that fails.
             return _apply(spec.decoders[0], batch.views(), spec, batch, "decode")

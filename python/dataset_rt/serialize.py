@@ -26,6 +26,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, Literal
 
+from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, SerializationError
 
 __all__ = [
@@ -54,15 +55,16 @@ PICKLE_PROTOCOL = 5
 # A C-level partial: no Python frame per record.
 _pickle_dumps: Serializer = functools.partial(pickle.dumps, protocol=PICKLE_PROTOCOL)
 
-MAGIC = b"DRTOOB01"
+# The record layout belongs to the native format module, which reads what this one writes.
+MAGIC = _native.OOB_MAGIC
 _HEAD = struct.Struct("<8sQQ")
 _SPAN = struct.Struct("<QQ")
 _HEAD_SIZE, _SPAN_SIZE = _HEAD.size, _SPAN.size
 _unpack_head, _unpack_span = _HEAD.unpack_from, _SPAN.unpack_from
 _SHORT = "record is shorter than its out-of-band header says"
-ALIGN = 64
+ALIGN = _native.RECORD_ALIGN
 """Alignment of out-of-band buffers within a record (and of records in shards and batches)."""
-MIN_OUT_OF_BAND = 64 * 1024
+MIN_OUT_OF_BAND = _native.MIN_OUT_OF_BAND
 """Buffers smaller than this stay in the pickle stream. Decoding a record with out-of-band
 buffers costs a few microseconds more in Python than plain ``pickle.loads``, the time it
 takes to copy about 64 KiB; below that, copying is the cheaper way."""

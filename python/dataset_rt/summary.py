@@ -8,7 +8,7 @@ from typing import Any
 import polars as pl
 
 from dataset_rt import plugins
-from dataset_rt.cache import open_by_id
+from dataset_rt.caches import open_by_id
 from dataset_rt.errors import ArgumentError
 from dataset_rt.roots import PathLike
 

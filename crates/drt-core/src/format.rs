@@ -30,6 +30,16 @@ pub const INDEX_FILE: &str = "index.arrow";
 pub const SHARDS_DIR: &str = "shards";
 /// The directory that holds the metadata versions.
 pub const METADATA_DIR: &str = "metadata";
+/// The first bytes of a record whose large buffers are stored out of band (the default
+/// `pickle` serializer's layout: header, aligned buffers, then the pickle stream).
+pub const OOB_MAGIC: &[u8; 8] = b"DRTOOB01";
+/// Out-of-band buffers start at multiples of this within a record, records at multiples of
+/// it within a shard (for the `pickle` serializer) and within a batch's buffer, so that an
+/// array viewed in place is as aligned as when it was written.
+pub const RECORD_ALIGN: usize = 64;
+/// Buffers of at least this many bytes are stored out of band, and records holding them are
+/// left in their mapped shard by loaders rather than copied into the batch.
+pub const MIN_OUT_OF_BAND: usize = 64 * 1024;
 /// The first bytes of every shard file.
 pub const SHARD_MAGIC: &[u8; 8] = b"DRTSHRD1";
 /// Size of a shard's header; the first record starts at or after this offset.

@@ -11,6 +11,7 @@
 //! them into the batch tensor) finds them mapped.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Mutex};
@@ -99,7 +100,7 @@ impl Eq for Recycle {}
 
 /// Records start at addresses that are multiples of this within a batch's buffer, so that
 /// arrays viewed in place there are aligned as they were in the shard.
-pub const BATCH_ALIGN: usize = 64;
+pub const BATCH_ALIGN: usize = crate::format::RECORD_ALIGN;
 
 impl Batch {
     /// Record `sample_id` of `reader` copied into a one-record batch, at an aligned address.
@@ -199,6 +200,15 @@ pub struct ViewRule {
 }
 
 impl ViewRule {
+    /// The rule of loaders over caches of the default serializer: records with out-of-band
+    /// buffers of [`MIN_OUT_OF_BAND`](crate::format::MIN_OUT_OF_BAND) bytes or more.
+    pub fn out_of_band() -> Self {
+        Self {
+            prefix: crate::format::OOB_MAGIC.to_vec(),
+            min_len: crate::format::MIN_OUT_OF_BAND,
+        }
+    }
+
     fn applies(&self, span: &Span) -> bool {
         let bytes = span.bytes();
         span.viewable()
@@ -222,7 +232,54 @@ fn touch(bytes: &[u8]) {
     std::hint::black_box(sum);
 }
 
+/// What a loader's reading needs besides its plan and caches.
+#[derive(Debug, Clone, Copy)]
+pub struct SourceOptions {
+    /// The loader's seed.
+    pub seed: u64,
+    /// The epoch to read.
+    pub epoch: u64,
+    /// Check every record against its checksum.
+    pub verify: bool,
+    /// Leave records with large out-of-band buffers in their shard ([`ViewRule::out_of_band`]).
+    pub views: bool,
+}
+
 impl Source {
+    /// Opens a loader's plan and caches for reading this rank's part of an epoch. Each cache
+    /// must still be the build the loader was made from: `cache_ids[i]` for `cache_dirs[i]`.
+    pub fn open(
+        plan: &Path,
+        cache_dirs: &[PathBuf],
+        cache_ids: &[String],
+        schedule: Schedule,
+        options: SourceOptions,
+    ) -> Result<Self> {
+        let plan = Plan::open(plan)?;
+        let mut caches = Vec::with_capacity(cache_dirs.len());
+        for (dir, expected) in cache_dirs.iter().zip(cache_ids) {
+            let reader = CacheReader::open(dir)?;
+            let found = &reader.manifest().cache_id;
+            if found != expected {
+                return Err(Error::Rebuilt {
+                    name: reader.manifest().name.clone(),
+                    expected: expected.clone(),
+                    found: found.clone(),
+                });
+            }
+            caches.push(reader);
+        }
+        Ok(Self {
+            plan: Arc::new(plan),
+            caches: Arc::new(caches),
+            stream: Stream::new(options.seed, options.epoch),
+            schedule,
+            verify: options.verify,
+            recycler: Arc::default(),
+            views: options.views.then(|| Arc::new(ViewRule::out_of_band())),
+        })
+    }
+
     /// Reads batch `number` of the schedule. A mapped file that shrank meanwhile (SIGBUS)
     /// is an error, and the caches stop serving reads.
     pub fn read(&self, number: u64) -> Result<Batch> {

@@ -23,6 +23,13 @@ use drt_polars as _;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", drt_core::format::FORMAT_VERSION)?;
+    // The record layout is the format's: Python's serializer writes what the core reads.
+    m.add(
+        "OOB_MAGIC",
+        pyo3::types::PyBytes::new(m.py(), drt_core::format::OOB_MAGIC),
+    )?;
+    m.add("RECORD_ALIGN", drt_core::format::RECORD_ALIGN)?;
+    m.add("MIN_OUT_OF_BAND", drt_core::format::MIN_OUT_OF_BAND)?;
     m.add_class::<store::PyStore>()?;
     m.add_class::<lock::PyBuildLock>()?;
     m.add_class::<builder::PyCacheBuilder>()?;

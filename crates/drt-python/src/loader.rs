@@ -2,13 +2,12 @@
 
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use arrow_array::types::{Float64Type, UInt32Type, UInt64Type};
+use drt_core::format::OOB_MAGIC;
 use drt_core::plan::Plan;
-use drt_core::prefetch::{Batch, Prefetcher, Source, ViewRule};
-use drt_core::reader::{CacheReader, Span};
-use drt_core::sampler::Stream;
+use drt_core::prefetch::{Batch, Prefetcher, Source, SourceOptions};
+use drt_core::reader::Span;
 use drt_core::schedule::Schedule;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -253,8 +252,8 @@ impl PyBatch {
         PyList::new(py, views)
     }
 
-    /// Decodes every record in one native loop: records that start with `magic` (those with
-    /// out-of-band buffers) go to `oob` as `memoryview`s of the batch buffer, or of their
+    /// Decodes every record in one native loop: records that start with `OOB_MAGIC` (those
+    /// with out-of-band buffers) go to `oob` as `memoryview`s of the batch buffer, or of their
     /// mapped shard if they were left there, which their arrays may keep; every other record
     /// goes to `plain` (`pickle.loads`) as a memoryview that is released once `plain`
     /// returns, so nothing it built can refer to the buffer.
@@ -264,7 +263,6 @@ impl PyBatch {
         slf: Bound<'py, Self>,
         plain: &Bound<'py, PyAny>,
         oob: &Bound<'py, PyAny>,
-        magic: &[u8],
     ) -> PyResult<Bound<'py, PyList>> {
         let py = slf.py();
         let batch = &slf.get().inner;
@@ -277,7 +275,7 @@ impl PyBatch {
                 continue;
             }
             let record = batch.record(i);
-            if record.starts_with(magic) {
+            if record.starts_with(OOB_MAGIC) {
                 let whole = match &whole {
                     Some(w) => w,
                     None => whole.insert(PyMemoryView::from(slf.as_any())?),
@@ -339,11 +337,10 @@ pub struct PyBatchStream {
 #[pymethods]
 impl PyBatchStream {
     /// Starts reading batches `first, first + step, ...` of `schedule` on a native thread.
-    /// `cache_dirs[i]` must hold the build `cache_ids[i]`. Records of at least
-    /// `view_min_len` bytes that start with `view_prefix` at a 64-byte aligned address stay
-    /// in their mapped shard instead of being copied into the batch.
+    /// `cache_dirs[i]` must hold the build `cache_ids[i]`. With `views`, records with large
+    /// out-of-band buffers stay in their mapped shard instead of being copied into the batch.
     #[new]
-    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, seed, epoch, first, step, depth, verify, view_prefix = None, view_min_len = 0))]
+    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, seed, epoch, first, step, depth, verify, views = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -357,39 +354,17 @@ impl PyBatchStream {
         step: u64,
         depth: usize,
         verify: bool,
-        view_prefix: Option<Vec<u8>>,
-        view_min_len: usize,
+        views: bool,
     ) -> PyResult<Self> {
         let schedule = schedule.inner;
+        let options = SourceOptions {
+            seed,
+            epoch,
+            verify,
+            views,
+        };
         let prefetcher = run(py, || {
-            let plan = Plan::open(&plan_path)?;
-            let mut caches = Vec::with_capacity(cache_dirs.len());
-            for (dir, expected) in cache_dirs.iter().zip(&cache_ids) {
-                let reader = CacheReader::open(dir)?;
-                let found = &reader.manifest().cache_id;
-                if found != expected {
-                    return Err(drt_core::Error::Rebuilt {
-                        name: reader.manifest().name.clone(),
-                        expected: expected.clone(),
-                        found: found.clone(),
-                    });
-                }
-                caches.push(reader);
-            }
-            let source = Source {
-                plan: Arc::new(plan),
-                caches: Arc::new(caches),
-                stream: Stream::new(seed, epoch),
-                schedule,
-                verify,
-                recycler: Arc::default(),
-                views: view_prefix.map(|prefix| {
-                    Arc::new(ViewRule {
-                        prefix,
-                        min_len: view_min_len,
-                    })
-                }),
-            };
+            let source = Source::open(&plan_path, &cache_dirs, &cache_ids, schedule, options)?;
             let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
             Prefetcher::start(source, numbers, depth)
         })?;
