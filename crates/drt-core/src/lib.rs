@@ -8,6 +8,7 @@
 //! [`store::Store`], published atomically under its name, and read by a
 //! [`reader::CacheReader`].
 
+pub mod build;
 pub mod error;
 pub mod format;
 pub mod index;

@@ -1,13 +1,11 @@
-//! `CacheBuilder`: appends serialized records to a build directory and publishes it.
+//! `CacheBuilder`: a build in progress, each method one call into a core `BuildSession`.
 
 use std::path::PathBuf;
 
-use drt_core::store::Store;
-use drt_core::write_behind::WriteBehind;
-use drt_core::writer::ManifestInfo;
+use drt_core::build::BuildSession;
 use pyo3::prelude::*;
 
-use crate::errors::run;
+use crate::errors::{run, to_py};
 use crate::lock::PyBuildLock;
 
 /// Records at least this long are copied into the write-behind batch with the GIL released.
@@ -15,38 +13,14 @@ const DETACH_THRESHOLD: usize = 64 << 10;
 
 #[pyclass(name = "CacheBuilder", module = "dataset_rt._native")]
 pub struct PyCacheBuilder {
-    store: Store,
+    session: BuildSession,
     lock: Py<PyBuildLock>,
-    name: String,
-    dir: PathBuf,
-    cache_id: String,
-    writer: Option<WriteBehind>,
 }
 
 impl PyCacheBuilder {
-    pub fn new(
-        store: Store,
-        lock: Py<PyBuildLock>,
-        name: String,
-        dir: PathBuf,
-        writer: WriteBehind,
-        py: Python<'_>,
-    ) -> PyResult<Self> {
-        let cache_id = run(py, drt_core::format::new_cache_id)?;
-        Ok(Self {
-            store,
-            lock,
-            name,
-            dir,
-            cache_id,
-            writer: Some(writer),
-        })
-    }
-
-    fn writer(&mut self) -> drt_core::Result<&mut WriteBehind> {
-        self.writer.as_mut().ok_or_else(|| {
-            drt_core::Error::Internal("the build was already finished or aborted".into())
-        })
+    /// Wraps a session begun under `lock`, which `finish` publishes under.
+    pub fn new(session: BuildSession, lock: Py<PyBuildLock>) -> Self {
+        Self { session, lock }
     }
 }
 
@@ -55,38 +29,35 @@ impl PyCacheBuilder {
     /// The build directory, where the metadata table is written before `finish`.
     #[getter]
     fn path(&self) -> PathBuf {
-        self.dir.clone()
+        self.session.dir().to_path_buf()
     }
 
     #[getter]
     fn cache_id(&self) -> String {
-        self.cache_id.clone()
+        self.session.cache_id().to_string()
     }
 
     #[getter]
     fn num_samples(&self) -> u64 {
-        self.writer.as_ref().map_or(0, WriteBehind::num_samples)
+        self.session.num_samples()
     }
 
     #[getter]
     fn nbytes(&self) -> u64 {
-        self.writer.as_ref().map_or(0, WriteBehind::nbytes)
+        self.session.nbytes()
     }
 
     /// Where metadata version `version` goes inside the build directory.
     fn metadata_path(&self, version: u32) -> PathBuf {
-        self.dir
-            .join(drt_core::format::Manifest::metadata_file(version))
+        self.session.metadata_path(version)
     }
 
     /// Appends one serialized record; returns its sample id.
     fn append(&mut self, py: Python<'_>, record: &[u8]) -> PyResult<u64> {
         if record.len() >= DETACH_THRESHOLD {
-            run(py, || self.writer()?.append(record))
+            run(py, || self.session.append(record))
         } else {
-            self.writer()
-                .and_then(|w| w.append(record))
-                .map_err(|e| crate::errors::to_py(py, e))
+            self.session.append(record).map_err(|e| to_py(py, e))
         }
     }
 
@@ -99,38 +70,13 @@ impl PyCacheBuilder {
     ) -> PyResult<()> {
         let lock = self.lock.clone_ref(py);
         run(py, || {
-            let writer = self.writer.take().ok_or_else(|| {
-                drt_core::Error::Internal("the build was already finished".into())
-            })?;
-            let info = ManifestInfo {
-                name: self.name.clone(),
-                cache_id: self.cache_id.clone(),
-                serializer,
-                metadata_version,
-            };
-            let published = lock.get().with(|held| {
-                writer
-                    .finish(info)
-                    .and_then(|_| self.store.publish(held, &self.dir))
-            });
-            if published.is_err() {
-                let _ = self.store.discard(&self.dir);
-            }
-            published
+            lock.get()
+                .with(|held| self.session.finish(held, serializer, metadata_version))
         })
     }
 
     /// Removes the build directory; the cache of this name, if any, is untouched.
     fn abort(&mut self, py: Python<'_>) -> PyResult<()> {
-        self.writer = None;
-        run(py, || self.store.discard(&self.dir))
-    }
-}
-
-impl Drop for PyCacheBuilder {
-    fn drop(&mut self) {
-        if self.writer.is_some() {
-            let _ = self.store.discard(&self.dir);
-        }
+        run(py, || self.session.discard())
     }
 }

@@ -2,9 +2,9 @@
 
 use std::path::PathBuf;
 
+use drt_core::build::BuildSession;
 use drt_core::store::Store;
-use drt_core::write_behind::WriteBehind;
-use drt_core::writer::{CacheWriter, WriteOptions};
+use drt_core::writer::WriteOptions;
 use pyo3::prelude::*;
 
 use crate::builder::PyCacheBuilder;
@@ -158,18 +158,10 @@ impl PyStore {
             shard_size,
             alignment,
         };
-        let (dir, writer, name) = run(py, || {
-            lock.get().with(|held| {
-                let dir = self.inner.begin_build(held)?;
-                match CacheWriter::create(&dir, opts).and_then(WriteBehind::spawn) {
-                    Ok(writer) => Ok((dir, writer, held.name().to_string())),
-                    Err(e) => {
-                        let _ = self.inner.discard(&dir);
-                        Err(e)
-                    }
-                }
-            })
+        let session = run(py, || {
+            lock.get()
+                .with(|held| BuildSession::begin(&self.inner, held, opts))
         })?;
-        PyCacheBuilder::new(self.inner.clone(), lock, name, dir, writer, py)
+        Ok(PyCacheBuilder::new(session, lock))
     }
 }
