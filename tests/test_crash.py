@@ -18,9 +18,11 @@ from dataset_rt.errors import CacheNotFoundError
 BUILD_AND_DIE = """
 import os, signal, sys
 import dataset_rt as drt
-import dataset_rt.build as build
 
 kill_at = os.environ["KILL_AT"]
+if kill_at == "after-metadata":
+    # The engine's kill point between the table written and flushed (see faults.rs).
+    os.environ["DATASET_RT_TEST_KILL_AT"] = "build-metadata-written"
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -30,9 +32,6 @@ def source():
         if kill_at == f"record-{i}":
             die()
         yield bytes([i % 256]) * 2048
-
-if kill_at == "after-metadata":
-    build.fsync_file = lambda path: die()
 
 drt.cache(source, "victim", metadata=lambda r: {"first": r[0]}, shard_size=64 << 10,
           overwrite=os.environ.get("OVERWRITE") == "1", progress=False)
@@ -165,24 +164,15 @@ def test_concurrent_callers_build_once_and_all_open_it(tmp_path: Path, overwrite
 
 # A child that saves a new metadata version of "saved" and kills itself at $KILL_AT.
 SAVE_AND_DIE = """
-import os, signal, sys
+import os
 import polars as pl
 import dataset_rt as drt
 
-cache_module = sys.modules["dataset_rt.caches"]
-
-def die(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGKILL)
-
-kill_at = os.environ["KILL_AT"]
-if kill_at == "before-fsync":  # the new table written to its temporary file
-    cache_module.fsync_file = die
-elif kill_at == "after-rename":  # the new table in place, the manifest not yet updated
-    real_replace = os.replace
-    def replace_and_die(src, dst):
-        real_replace(src, dst)
-        die()
-    cache_module.os.replace = replace_and_die
+# The engine's kill points (faults.rs): the new table written to its temporary file but not
+# flushed, or in place with the manifest not yet updated.
+os.environ["DATASET_RT_TEST_KILL_AT"] = {
+    "before-fsync": "metadata-written", "after-rename": "metadata-renamed"
+}[os.environ["KILL_AT"]]
 c = drt.open("saved")
 c.save_metadata(c.metadata.with_columns(weight=pl.col("sample_id").cast(pl.Float64) + 1))
 print("finished")

@@ -12,14 +12,14 @@ from dataset_rt.errors import DatasetRTError, InternalError
 
 
 def test_a_broken_invariant_is_an_internal_error_that_asks_for_a_report(tmp_path: Path) -> None:
-    # The package never commits through a released lock; doing it by hand breaks the
-    # invariant the build relies on, which is dataset_rt's bug, not an argument error.
+    # The package never saves through a released lock; doing it by hand breaks the
+    # invariant the save relies on, which is dataset_rt's bug, not an argument error.
     cache = drt.cache(range(3), "internal", root=tmp_path, progress=False)
     store = _native.Store(str(tmp_path))
     lock = store.lock("internal")
     lock.release()
     with pytest.raises(InternalError, match="please report it") as caught:
-        store.commit_metadata(lock, cache.cache_id, 2)
+        store.save_metadata(lock, cache.cache_id)
     assert "the build lock was already released" in str(caught.value)
     assert isinstance(caught.value, DatasetRTError) and isinstance(caught.value, RuntimeError)
 

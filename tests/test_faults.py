@@ -154,7 +154,9 @@ def test_arrays_viewing_a_truncated_shard_read_zeros_and_the_loader_stops() -> N
 
 
 KILL_A_WORKER = """
-import json, multiprocessing, os, signal, threading
+import faulthandler, json, multiprocessing, os, signal, sys, threading
+# A hang shows where every thread waits, well before the test's own timeout.
+faulthandler.dump_traceback_later(120, exit=True, file=sys.stderr)
 import numpy as np
 import dataset_rt as drt
 

@@ -434,3 +434,18 @@ def test_load_state_dict_refuses_foreign_states(cache: drt.Cache) -> None:
         loader.load_state_dict({"epoch": 1})
     # Another batch size is fine: the position counts draws, not batches.
     loader.load_state_dict(frame.drt.loader(batch_size=7, seed=1).state_dict())
+
+
+def test_the_frame_method_shows_and_documents_every_loader_option(cache: drt.Cache) -> None:
+    import inspect
+
+    from dataset_rt.namespace import DrtFrameNamespace
+
+    shown = inspect.signature(cache.metadata.drt.loader).parameters
+    options = [p for p in inspect.signature(drt.Loader).parameters if p != "frame"]
+    assert list(shown) == options, "help(df.drt.loader) lists Loader's options, in order"
+    assert shown["seed"].default == 0 and shown["shuffle"].kind is inspect.Parameter.KEYWORD_ONLY
+    doc = DrtFrameNamespace.loader.__doc__ or ""
+    assert all(f"``{name}``" in doc for name in options if name != "batch_size"), doc
+    with pytest.raises(TypeError, match="shufle"):
+        cache.metadata.drt.loader(batch_size=4, shufle=False)

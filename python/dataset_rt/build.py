@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
-from dataset_rt import _native
-from dataset_rt.caches import Cache, fsync_file
+from dataset_rt import _native, registry
+from dataset_rt.caches import Cache
 from dataset_rt.errors import (
     ArgumentError,
     CacheCorruptError,
@@ -23,15 +24,14 @@ __all__ = ["cache"]
 
 DEFAULT_SHARD_SIZE = 256 << 20
 DEFAULT_ALIGNMENT = 16
-FIRST_METADATA_VERSION = 1
 
 Source = Iterable[Any] | Callable[[], Iterable[Any]]
 """An iterable of records, or a zero-argument callable returning one."""
 
 
-def _try_open(store: _native.Store, root: Any, name: str, decode: Decoder | None) -> Cache | None:
+def _try_open(root: Path, name: str, decode: Decoder | None) -> Cache | None:
     try:
-        reader = store.open(name)
+        reader = registry.open_reader(root, name)
     except CacheNotFoundError:
         return None
     return Cache(reader, root, decode)
@@ -126,7 +126,7 @@ def cache(
     store = _native.Store(str(root_path))
 
     if not overwrite:
-        existing = _try_open_or_explain(store, root_path, name, decode)
+        existing = _try_open_or_explain(root_path, name, decode)
         if existing is not None:
             return existing
     before = None if not store.exists(name) else published_cache_id(store, name)
@@ -136,11 +136,11 @@ def cache(
         if lock.waited:
             # Another process built this name while we waited: use its cache, even with
             # overwrite=True, so that N ranks asking for a rebuild rebuild it once.
-            now = _try_open_or_explain(store, root_path, name, decode)
+            now = _try_open_or_explain(root_path, name, decode)
             if now is not None and (not overwrite or now.cache_id != before):
                 return now
         elif not overwrite:
-            now = _try_open_or_explain(store, root_path, name, decode)
+            now = _try_open_or_explain(root_path, name, decode)
             if now is not None:
                 return now
         _build(
@@ -148,8 +148,7 @@ def cache(
         )
     finally:
         lock.release()
-    reader = store.open(name)
-    return Cache(reader, root_path, decode)
+    return Cache(registry.open_reader(root_path, name), root_path, decode)
 
 
 def published_cache_id(store: _native.Store, name: str) -> str | None:
@@ -160,11 +159,9 @@ def published_cache_id(store: _native.Store, name: str) -> str | None:
         return None
 
 
-def _try_open_or_explain(
-    store: _native.Store, root: Any, name: str, decode: Decoder | None
-) -> Cache | None:
+def _try_open_or_explain(root: Path, name: str, decode: Decoder | None) -> Cache | None:
     try:
-        return _try_open(store, root, name, decode)
+        return _try_open(root, name, decode)
     except CacheCorruptError as exc:
         raise type(exc)(f"{exc}; pass overwrite=True to rebuild cache {name!r}") from exc
 
@@ -226,10 +223,8 @@ def _build(
             bar.update(index + 1)
         bar.settle(index + 1)
         frame = collector.frame(builder.cache_id, builder.num_samples)
-        path = builder.metadata_path(FIRST_METADATA_VERSION)
-        frame.write_parquet(path)
-        fsync_file(path)
-        builder.finish(ser_name, FIRST_METADATA_VERSION)
+        frame.write_parquet(builder.metadata_path)
+        builder.finish(ser_name)
         ok = True
     finally:
         if not ok:

@@ -16,7 +16,6 @@ from dataset_rt import _native, registry
 from dataset_rt.errors import (
     CacheCorruptError,
     CacheIOError,
-    CacheNotFoundError,
     MetadataError,
     SampleIndexError,
     SerializationError,
@@ -53,7 +52,6 @@ class Cache:
         self._manifest = reader.manifest
         self._decode = decode if decode is not None else decoder_for(self._manifest.serializer)
         self._metadata: tuple[int, pl.DataFrame] | None = None
-        registry.remember(self.cache_id, self.root, self.name)
 
     # -- identity -------------------------------------------------------------------------
     @property
@@ -185,26 +183,9 @@ class Cache:
         return self.path / _native.metadata_file(version)
 
     def _checked_metadata_path(self, version: int, manifest: _native.Manifest | None) -> Path:
-        """The file of metadata version ``version``, checked against its recorded checksum.
-
-        Checked before parsing: a flipped bit in a weight would parse as a wrong weight.
-        Hashing runs at memory speed, a small cost next to the parse.
-        """
-        path = self._metadata_path(version)
-        if path.is_symlink():
-            raise CacheCorruptError(f"{path}: is a symbolic link; cache files must be regular")
+        """The file of metadata version ``version``, checked against its recorded checksum."""
         expected = (manifest or self._live_manifest()).metadata_checksums.get(version)
-        if expected is not None:
-            try:
-                _, digest = _native.file_checksum(path)
-            except OSError as exc:
-                raise CacheCorruptError(f"{path}: unreadable metadata table: {exc}") from exc
-            if digest != expected:
-                raise CacheCorruptError(
-                    f"{path}: metadata table fails its checksum (manifest {expected}, file "
-                    f"{digest}); it was modified outside dataset_rt"
-                )
-        return path
+        return _native.checked_metadata_table(self.path, version, expected)
 
     def _read_metadata(
         self, version: int, manifest: _native.Manifest | None = None
@@ -303,30 +284,20 @@ class Cache:
         checked = checked_edit(frame, self.cache_id, len(self), self.name)
         store = _native.Store(str(self._root))
         with store.lock(self.name) as lock:
-            # Only the lock holder writes temporary tables, so any found now were left by
-            # a process that died mid-save.
-            for stale in self._metadata_path(1).parent.glob(".v*.parquet.tmp-*"):
-                stale.unlink(missing_ok=True)
-            versions = self._live_manifest().metadata_versions
-            version = int(max(versions)) + 1
-            final = self._metadata_path(version)
-            tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
             try:
-                checked.write_parquet(tmp)
-                fsync_file(tmp)
-                os.replace(tmp, final)
-            except BaseException as exc:
-                tmp.unlink(missing_ok=True)
-                if isinstance(exc, OSError | pl.exceptions.PolarsError):
-                    raise _io_error(exc, tmp) from exc
-                raise
-            try:
-                store.commit_metadata(lock, self.cache_id, version)
-            except CacheNotFoundError as exc:
-                final.unlink(missing_ok=True)
+                save = store.save_metadata(lock, self.cache_id)
+            except StaleCacheError as exc:
                 raise StaleCacheError(
                     f"cache {self.name!r} was rebuilt since it was opened; nothing was saved"
                 ) from exc
+            try:
+                checked.write_parquet(save.path)
+            except BaseException as exc:
+                save.discard()
+                if isinstance(exc, OSError | pl.exceptions.PolarsError):
+                    raise _io_error(exc, save.path) from exc
+                raise
+            version = save.commit()
         self._metadata = (version, checked)
         return version
 
@@ -378,15 +349,6 @@ def _utc(stamp: str) -> datetime:
     return datetime.fromisoformat(stamp.removesuffix("Z") + "+00:00")
 
 
-def fsync_file(path: PathLike) -> None:
-    """Flushes a file's contents to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _io_error(exc: BaseException, path: Path) -> CacheIOError:
     """An error of writing ``path`` as a :class:`CacheIOError`, keeping its errno."""
     code = getattr(exc, "errno", None)
@@ -436,8 +398,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: drt.open(name)
         newer dataset_rt wrote it.
     """
     root_path = resolve_root(root)
-    reader = _native.Store(str(root_path)).open(name)
-    return Cache(reader, root_path, decode)
+    return Cache(registry.open_reader(root_path, name), root_path, decode)
 
 
 def open_by_id(cache_id: str, root: PathLike | None = None) -> Cache:

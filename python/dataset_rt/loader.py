@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import os
 import shutil
 import sys
@@ -30,7 +31,7 @@ from dataset_rt.pipeline import Collate, LoaderSpec, Transform, assemble
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder, loads
 
-__all__ = ["Loader", "LoaderStats"]
+__all__ = ["Loader", "LoaderStats", "loader_signature"]
 
 STATE_FORMAT = 1
 
@@ -124,6 +125,47 @@ class Loader:
     from where the last iteration (or :meth:`load_state_dict`) left off; iterating again
     after an epoch ended moves on to the next epoch, so every pass draws anew even where
     nothing calls :meth:`set_epoch` (PyTorch Lightning, a loop that forgets it).
+
+    Parameters
+    ----------
+    frame
+        A metadata frame with ``cache_id``, ``sample_id`` and (to shuffle) ``weight``
+        columns, such as ``cache.metadata`` or any filtered, joined or re-weighted copy.
+    batch_size
+        Samples per batch on each rank.
+    shuffle
+        ``True``: each epoch is ``num_samples`` weighted draws with replacement
+        (P(row) ∝ ``weight``). ``False``: every row once, in frame order.
+    seed
+        With the epoch, fixes the draws: the same ``(seed, epoch)`` gives the same
+        samples for any ``num_workers`` and ``prefetch``, with or without PyTorch.
+    num_samples
+        Draws per epoch across all ranks; default the number of rows.
+    decode
+        Bytes → record; default the decoder matching how each cache was written.
+    transform
+        Applied to every decoded record.
+    collate
+        List of records → batch; default PyTorch's ``default_collate`` when PyTorch is
+        installed, else the list itself.
+    num_workers
+        PyTorch DataLoader worker processes decoding in parallel (needs PyTorch).
+    prefetch
+        Batches read ahead by the native reader thread.
+    drop_last
+        Drop the positions that do not fill a whole batch on every rank.
+    rank, world_size
+        This process's share of the global stream; default from
+        ``torch.distributed`` when it is initialised, else a single process.
+    root
+        Where to look for caches this process has not opened yet.
+    verify
+        Check every record against its stored checksum.
+    copy
+        Give decoded NumPy arrays their own writable memory. By default (caches written
+        with ``serializer="pickle"``) they are read-only views of the mapped shard
+        (or of the batch's buffer, for records under 64 KiB), and the default collate
+        stacks them into the batch tensor in one copy.
     """
 
     def __init__(
@@ -391,11 +433,11 @@ class Loader:
     def _local(self, schedule: _native.Schedule) -> Iterator[Any]:
         spec, stats = self._spec, self._stats
         times = [0.0, 0.0, 0.0]
-        stream = spec.stream(schedule, self._epoch, 0, 1)
+        prefetcher = spec.batches(schedule, self._epoch, 0, 1)
         while True:
-            ready = stream.ready
+            ready = prefetcher.ready
             start = time.perf_counter()
-            batch = next(stream, None)
+            batch = next(prefetcher, None)
             stats.wait_seconds += time.perf_counter() - start
             if batch is None:
                 return
@@ -455,6 +497,16 @@ class Loader:
             f"{self._total}, rank={self._rank}/{self._world_size}, "
             f"num_workers={self._num_workers})"
         )
+
+
+def loader_signature() -> inspect.Signature:
+    """``Loader``'s options as a method signature: ``(self, batch_size, *, shuffle=True, ...)``.
+
+    ``df.drt.loader`` forwards its options to :class:`Loader`; this is what it shows.
+    """
+    init = inspect.signature(Loader.__init__)
+    params = [p for name, p in init.parameters.items() if name != "frame"]
+    return init.replace(parameters=params)
 
 
 def epoch_frame(

@@ -6,15 +6,14 @@ Type checkers do not see namespaces registered at runtime; the functions in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import polars as pl
 
 from dataset_rt import plugins, summary
-from dataset_rt.loader import Loader, epoch_frame
+from dataset_rt.loader import Loader, epoch_frame, loader_signature
 from dataset_rt.roots import PathLike
-from dataset_rt.serialize import Decoder
 
 __all__ = ["DrtExprNamespace", "DrtFrameNamespace", "DrtLazyFrameNamespace"]
 
@@ -108,83 +107,15 @@ class _FrameMethods:
     _lazy: pl.LazyFrame
     _frame: pl.DataFrame | pl.LazyFrame
 
-    def loader(
-        self,
-        batch_size: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        num_samples: int | None = None,
-        decode: Decoder | None = None,
-        transform: Callable[[Any], Any] | None = None,
-        collate: Callable[[list[Any]], Any] | None = None,
-        num_workers: int = 0,
-        prefetch: int = 4,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        root: PathLike | None = None,
-        verify: bool = False,
-        copy: bool = False,
-    ) -> Loader:
-        """A training loader over this frame's rows.
+    def loader(self, batch_size: int, **options: Any) -> Loader:
+        """A training loader over this frame's rows: ``Loader(frame, batch_size, **options)``.
 
-        Parameters
-        ----------
-        batch_size
-            Samples per batch on each rank.
-        shuffle
-            ``True``: each epoch is ``num_samples`` weighted draws with replacement
-            (P(row) ∝ ``weight``). ``False``: every row once, in frame order.
-        seed
-            With the epoch, fixes the draws: the same ``(seed, epoch)`` gives the same
-            samples for any ``num_workers`` and ``prefetch``, with or without PyTorch.
-        num_samples
-            Draws per epoch across all ranks; default the number of rows.
-        decode
-            Bytes → record; default the decoder matching how each cache was written.
-        transform
-            Applied to every decoded record.
-        collate
-            List of records → batch; default PyTorch's ``default_collate`` when PyTorch is
-            installed, else the list itself.
-        num_workers
-            PyTorch DataLoader worker processes decoding in parallel (needs PyTorch).
-        prefetch
-            Batches read ahead by the native reader thread.
-        drop_last
-            Drop the positions that do not fill a whole batch on every rank.
-        rank, world_size
-            This process's share of the global stream; default from
-            ``torch.distributed`` when it is initialised, else a single process.
-        root
-            Where to look for caches this process has not opened yet.
-        verify
-            Check every record against its stored checksum.
-        copy
-            Give decoded NumPy arrays their own writable memory. By default (caches written
-            with ``serializer="pickle"``) they are read-only views of the mapped shard
-            (or of the batch's buffer, for records under 64 KiB), and the default collate
-            stacks them into the batch tensor in one copy.
+        The options (``shuffle``, ``seed``, ``num_samples``, ``decode``, ``transform``,
+        ``collate``, ``num_workers``, ``prefetch``, ``drop_last``, ``rank``, ``world_size``,
+        ``root``, ``verify``, ``copy``) and their defaults are those of
+        :class:`dataset_rt.Loader`, where each is described.
         """
-        return Loader(
-            self._frame,
-            batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            num_samples=num_samples,
-            decode=decode,
-            transform=transform,
-            collate=collate,
-            num_workers=num_workers,
-            prefetch=prefetch,
-            drop_last=drop_last,
-            rank=rank,
-            world_size=world_size,
-            root=root,
-            verify=verify,
-            copy=copy,
-        )
+        return Loader(self._frame, batch_size, **options)
 
     def epoch(
         self,
@@ -253,3 +184,7 @@ class DrtLazyFrameNamespace(_FrameMethods):
     ) -> pl.LazyFrame:
         """The lazy version of ``DataFrame.drt.summary``."""
         return summary.summary(self._lazy, by, weight=weight, num_samples=num_samples)
+
+
+# ``help(df.drt.loader)``, notebooks and IDEs show the options with their defaults.
+_FrameMethods.loader.__signature__ = loader_signature()  # type: ignore[attr-defined]

@@ -41,24 +41,24 @@ class LoaderSpec:
     decode in one native loop, arrays as views of the mapped shard (large records) or of the
     batch buffer."""
 
-    def stream(
+    def batches(
         self, schedule: _native.Schedule, epoch: int, first: int, step: int
-    ) -> _native.BatchStream:
-        """The native stream of batches ``first, first + step, ...`` of ``schedule``."""
-        return _native.BatchStream(
+    ) -> _native.Prefetcher:
+        """Batches ``first, first + step, ...`` of ``schedule``, read ahead on a native thread."""
+        return _native.Prefetcher(
             self.plan,
             list(self.cache_dirs),
             list(self.cache_ids),
             schedule,
-            self.seed,
-            epoch,
-            first,
-            step,
-            self.depth,
-            self.verify,
+            seed=self.seed,
+            epoch=epoch,
+            first=first,
+            step=step,
+            depth=self.depth,
+            verify=self.verify,
             # Records with large out-of-band arrays are not copied into the batch: their
             # arrays view the shard, and collating is their one copy.
-            self.views,
+            views=self.views,
         )
 
 

@@ -1,8 +1,10 @@
 """Finding the cache behind a ``cache_id``, for frames that carry only ids.
 
 A metadata frame knows each row's ``(cache_id, sample_id)`` but not where the cache lives.
-Every cache opened or built in this process is remembered by id; other ids are looked up
-among the caches under the given root, the roots seen so far and the default root.
+Every cache opened or built in this process is opened through :func:`open_reader`, which
+remembers it by id; other ids are looked up among the caches under the given root, the
+roots seen so far and the default root. This table is the package's one piece of
+process-wide state (the engine's are its shard mappings and its SIGBUS guard).
 """
 
 from __future__ import annotations
@@ -15,18 +17,26 @@ from dataset_rt import _native
 from dataset_rt.errors import CacheCorruptError, CacheNotFoundError
 from dataset_rt.roots import PathLike, default_root, resolve_root
 
-__all__ = ["locate", "remember"]
+__all__ = ["locate", "open_reader"]
 
 _lock = threading.Lock()
 _places: dict[str, tuple[Path, str]] = {}  # cache_id -> (root, name)
 _roots: dict[Path, None] = {}  # roots seen, in order
 
 
-def remember(cache_id: str, root: Path, name: str) -> None:
-    """Records that the cache with id ``cache_id`` lives at ``root / name``."""
+def open_reader(root: Path, name: str) -> _native.CacheReader:
+    """Opens cache ``name`` under ``root`` and remembers where its ``cache_id`` lives.
+
+    Raises
+    ------
+    CacheNotFoundError
+        No cache of that name exists under the root.
+    """
+    reader = _native.Store(str(root)).open(name)
     with _lock:
-        _places[cache_id] = (root, name)
+        _places[reader.manifest.cache_id] = (root, name)
         _roots.setdefault(root)
+    return reader
 
 
 def _search(cache_id: str, roots: Iterable[Path]) -> tuple[Path, str] | None:
@@ -58,7 +68,7 @@ def locate(cache_id: str, root: PathLike | None = None) -> tuple[_native.CacheRe
     candidates: list[tuple[Path, str]] = [known] if known else []
     for root_path, name in candidates:
         try:
-            reader = _native.Store(str(root_path)).open(name)
+            reader = open_reader(root_path, name)
         except CacheNotFoundError:
             continue
         if reader.manifest.cache_id == cache_id:
@@ -72,4 +82,4 @@ def locate(cache_id: str, root: PathLike | None = None) -> tuple[_native.CacheRe
             "or lives under another root (pass root=)"
         )
     root_path, name = found
-    return _native.Store(str(root_path)).open(name), root_path
+    return open_reader(root_path, name), root_path

@@ -138,7 +138,7 @@ class _WorkerStream(tud.IterableDataset[Any]):
         # a native read-ahead of one batch overlaps reading with decoding. A deeper one would
         # only hold more batch buffers per worker.
         spec = dataclasses.replace(spec, depth=1)
-        for batch in spec.stream(self.schedule, self.epoch, worker, workers):
+        for batch in spec.batches(self.schedule, self.epoch, worker, workers):
             times = [0.0, 0.0, 0.0]
             out = assemble(batch, spec, times)
             # The counters travel with the batch, for the main process's loader.stats().

@@ -8,7 +8,9 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::faults::crash_point;
 use crate::format::{new_cache_id, Manifest};
+use crate::metadata::{sync_file, FIRST_VERSION};
 use crate::store::{BuildLock, Store};
 use crate::write_behind::WriteBehind;
 use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};
@@ -66,40 +68,36 @@ impl BuildSession {
         self.writer.as_ref().map_or(0, WriteBehind::nbytes)
     }
 
-    /// Where metadata version `version` goes inside the build directory.
-    pub fn metadata_path(&self, version: u32) -> PathBuf {
-        self.dir.join(Manifest::metadata_file(version))
+    /// Where the caller writes the cache's metadata table (its first version) before
+    /// [`finish`](Self::finish).
+    pub fn metadata_path(&self) -> PathBuf {
+        self.dir.join(Manifest::metadata_file(FIRST_VERSION))
     }
 
     /// Appends one serialized record; returns its sample id.
     pub fn append(&mut self, record: &[u8]) -> Result<u64> {
-        self.writer
-            .as_mut()
-            .ok_or_else(|| Error::Internal("the build was already finished or discarded".into()))?
-            .append(record)
+        self.writer.as_mut().ok_or_else(ended)?.append(record)
     }
 
     /// Writes the index and the manifest and publishes the cache under its name. On any
     /// failure the build directory is removed and the cache of that name, if any, stays.
-    pub fn finish(
-        &mut self,
-        lock: &BuildLock,
-        serializer: String,
-        metadata_version: u32,
-    ) -> Result<()> {
-        let writer = self
-            .writer
-            .take()
-            .ok_or_else(|| Error::Internal("the build was already finished or discarded".into()))?;
+    pub fn finish(&mut self, lock: &BuildLock, serializer: String) -> Result<()> {
+        let writer = self.writer.take().ok_or_else(ended)?;
         let info = ManifestInfo {
             name: self.name.clone(),
             cache_id: self.cache_id.clone(),
             serializer,
-            metadata_version,
+            metadata_version: FIRST_VERSION,
         };
-        let published = writer
-            .finish(info)
-            .and_then(|_| self.store.publish(lock, &self.dir));
+        let table = self.metadata_path();
+        let published = (|| {
+            if table.is_file() {
+                crash_point("build-metadata-written");
+                sync_file(&table)?;
+            }
+            writer.finish(info)?;
+            self.store.publish(lock, &self.dir)
+        })();
         if published.is_err() {
             let _ = self.store.discard(&self.dir);
         }
@@ -111,6 +109,11 @@ impl BuildSession {
         self.writer = None;
         self.store.discard(&self.dir)
     }
+}
+
+/// The error of a call on a session that has ended: the bindings never make one.
+fn ended() -> Error {
+    Error::Internal("the build was already finished or discarded".into())
 }
 
 impl Drop for BuildSession {
@@ -145,10 +148,10 @@ mod tests {
         }
         assert_eq!(session.num_samples(), 3);
         let (id, dir) = (session.cache_id().to_string(), session.dir().to_path_buf());
-        let table = session.metadata_path(1);
+        let table = session.metadata_path();
         std::fs::create_dir_all(table.parent().unwrap()).unwrap();
         std::fs::write(&table, b"the metadata table").unwrap();
-        session.finish(&held, "pickle".into(), 1).unwrap();
+        session.finish(&held, "pickle".into()).unwrap();
         assert!(!dir.exists(), "the build directory became the cache");
         let manifest = store.manifest("built").unwrap();
         assert_eq!((manifest.cache_id, manifest.num_samples), (id, 3));
@@ -166,7 +169,7 @@ mod tests {
         session.append(b"record").unwrap();
         let dir = session.dir().to_path_buf();
         // No metadata table was written: the build cannot be published.
-        let err = session.finish(&held, "pickle".into(), 1).unwrap_err();
+        let err = session.finish(&held, "pickle".into()).unwrap_err();
         assert!(err.to_string().contains("metadata table"), "{err}");
         assert!(!dir.exists());
         assert!(!store.exists("unfinished").unwrap());

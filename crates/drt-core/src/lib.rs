@@ -10,8 +10,11 @@
 
 pub mod build;
 pub mod error;
+pub mod faults;
 pub mod format;
 pub mod index;
+pub mod mapping;
+pub mod metadata;
 pub mod plan;
 pub mod prefetch;
 pub mod reader;

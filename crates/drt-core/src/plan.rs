@@ -17,7 +17,7 @@ use memmap2::Mmap;
 
 use crate::error::{Error, IoContext, Result};
 use crate::index::HashingWriter;
-use crate::sampler::{pick, AliasTable, Stream, MAX_ROWS};
+use crate::sampler::{pick, AliasTable, EpochRandom, MAX_ROWS};
 
 const PLAN_MAGIC: &[u8; 8] = b"DRTPLAN1";
 const HEADER_LEN: usize = 64;
@@ -55,7 +55,7 @@ fn write_u32s(out: &mut impl Write, values: &[u32], path: &Path) -> Result<()> {
 impl Plan {
     /// Writes the plan of rows `sample_ids[i]` of cache `caches[i]` (one cache when
     /// `caches` is `None`), weighted by `weights` when the loader shuffles. Returns the
-    /// xxh3-64 of the file: two plans with the same digest draw the same streams.
+    /// xxh3-64 of the file: two plans with the same digest draw the same rows.
     pub fn write(
         path: &Path,
         sample_ids: &[u64],
@@ -167,15 +167,15 @@ impl Plan {
         ])
     }
 
-    /// The row at `position` of the epoch stream `stream` (rows in order, wrapping, when the
+    /// The row at `position` of the epoch drawn with `random` (rows in order, wrapping, when the
     /// plan is not weighted).
     #[inline]
-    pub fn row_at(&self, stream: Stream, position: u64) -> u64 {
+    pub fn row_at(&self, random: EpochRandom, position: u64) -> u64 {
         match self.table_at {
             Some(t) => {
                 let n = self.rows;
                 pick(
-                    stream.bits(position),
+                    random.bits(position),
                     n,
                     |c| self.u32_at(t, c),
                     |c| self.u32_at(t + 4 * n as usize, c),
@@ -213,9 +213,9 @@ mod tests {
         assert_eq!(plan.caches(), 3);
         assert_eq!(plan.sample(10), (1, 30));
         let table = AliasTable::new(&weights, "w").unwrap();
-        let stream = Stream::new(3, 1);
+        let random = EpochRandom::new(3, 1);
         for k in 0..5000 {
-            assert_eq!(plan.row_at(stream, k), table.draw(stream.bits(k)));
+            assert_eq!(plan.row_at(random, k), table.draw(random.bits(k)));
         }
     }
 
@@ -225,7 +225,7 @@ mod tests {
         let path = dir.path().join("plan");
         Plan::write(&path, &[5, 6, 7], None, None).unwrap();
         let plan = Plan::open(&path).unwrap();
-        let s = Stream::new(0, 0);
+        let s = EpochRandom::new(0, 0);
         assert_eq!(
             (0..5).map(|p| plan.row_at(s, p)).collect::<Vec<_>>(),
             vec![0, 1, 2, 0, 1]

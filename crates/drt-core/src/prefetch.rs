@@ -18,9 +18,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
+use crate::mapping::Span;
 use crate::plan::Plan;
-use crate::reader::{CacheReader, Span};
-use crate::sampler::Stream;
+use crate::reader::CacheReader;
+use crate::sampler::EpochRandom;
 use crate::schedule::Schedule;
 
 /// The records of one batch, back to back.
@@ -176,8 +177,8 @@ pub struct Source {
     pub plan: Arc<Plan>,
     /// The caches, indexed by the plan's cache codes.
     pub caches: Arc<Vec<CacheReader>>,
-    /// The epoch's random stream.
-    pub stream: Stream,
+    /// The epoch's random bits.
+    pub random: EpochRandom,
     /// This rank's part of the epoch.
     pub schedule: Schedule,
     /// Check every record against its checksum.
@@ -272,7 +273,7 @@ impl Source {
         Ok(Self {
             plan: Arc::new(plan),
             caches: Arc::new(caches),
-            stream: Stream::new(options.seed, options.epoch),
+            random: EpochRandom::new(options.seed, options.epoch),
             schedule,
             verify: options.verify,
             recycler: Arc::default(),
@@ -300,7 +301,7 @@ impl Source {
         let mut batch = Batch::default();
         batch.number = number;
         for position in self.schedule.batch_positions(number) {
-            let (cache, sample_id) = self.plan.sample(self.plan.row_at(self.stream, position));
+            let (cache, sample_id) = self.plan.sample(self.plan.row_at(self.random, position));
             batch.caches.push(cache);
             batch.sample_ids.push(sample_id);
         }
@@ -466,7 +467,7 @@ mod tests {
         Source {
             plan: Arc::new(Plan::open(&plan_path).unwrap()),
             caches: Arc::new(vec![reader]),
-            stream: Stream::new(0, 0),
+            random: EpochRandom::new(0, 0),
             schedule: Schedule::new(20, 0, 0, 1, batch, false).unwrap(),
             verify: true,
             recycler: Arc::default(),
@@ -520,7 +521,7 @@ mod tests {
         let src = Source {
             plan: Arc::new(Plan::open(&plan_path).unwrap()),
             caches: Arc::new(vec![CacheReader::open(dir.path()).unwrap()]),
-            stream: Stream::new(0, 0),
+            random: EpochRandom::new(0, 0),
             schedule: Schedule::new(12, 0, 0, 1, 12, false).unwrap(),
             verify: true,
             recycler: Arc::default(),

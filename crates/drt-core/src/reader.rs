@@ -3,134 +3,14 @@
 //! Opening checks every file's size against the manifest and parses the index's footer, but
 //! reads no payload byte; each read checks the record's bounds against its mapped shard.
 
-use std::collections::HashMap;
-use std::ops::Deref;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-
-use memmap2::Mmap;
+use std::sync::Arc;
 
 use crate::error::{Error, IoContext, Result};
 use crate::format::{checksum_hex, FileEntry, Manifest, SHARD_HEADER_LEN, SHARD_MAGIC};
 use crate::index::{Index, Location};
-
-/// A mapped shard, shared by its reader and by every [`Span`] handed out of it: the mapping
-/// lives as long as any of them. It is registered with [`crate::sigbus`] so that views of it
-/// survive the file shrinking under them.
-pub struct MappedFile {
-    map: Mmap,
-    slot: Option<usize>,
-}
-
-/// The shards this process has mapped, by file identity (device, inode): every reader of a
-/// file shares one mapping while any of them lives, so a loader's next epoch finds the pages
-/// it touched still mapped instead of faulting them in again. A live mapping keeps its inode
-/// allocated, so an identity found here cannot belong to another file.
-static MAPPED: Mutex<Option<Mappings>> = Mutex::new(None);
-
-/// Live mappings by (device, inode).
-type Mappings = HashMap<(u64, u64), Weak<MappedFile>>;
-
-impl MappedFile {
-    fn new(map: Mmap) -> Self {
-        let slot = crate::sigbus::register(map.as_ptr() as usize, map.len());
-        Self { map, slot }
-    }
-
-    /// Maps `file` read-only, or shares this process's live mapping of it.
-    fn open(file: &std::fs::File, path: &Path) -> Result<Arc<Self>> {
-        let meta = file.metadata().at(path)?;
-        let key = (meta.dev(), meta.ino());
-        let mut mapped = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
-        let mapped = mapped.get_or_insert_with(HashMap::new);
-        if let Some(live) = mapped.get(&key).and_then(Weak::upgrade) {
-            if live.len() as u64 == meta.len() && !live.shrank() {
-                return Ok(live);
-            }
-        }
-        // SAFETY: shards are written once, before the cache is published, and never
-        // modified in place; callers check the size against the manifest, and every read
-        // is bounds-checked against the mapping's length.
-        let map = unsafe { Mmap::map(file) }.at(path)?;
-        let live = Arc::new(Self::new(map));
-        if mapped.len() >= 64 && mapped.len().is_power_of_two() {
-            mapped.retain(|_, file| file.strong_count() > 0);
-        }
-        mapped.insert(key, Arc::downgrade(&live));
-        Ok(live)
-    }
-
-    /// Whether the file's pages may be read outside guarded sections (it found a slot).
-    pub fn viewable(&self) -> bool {
-        self.slot.is_some()
-    }
-
-    /// Whether a view of the file found it shrunk (some pages read as zeros since).
-    pub fn shrank(&self) -> bool {
-        self.slot.is_some_and(crate::sigbus::shrank)
-    }
-}
-
-impl Deref for MappedFile {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        &self.map
-    }
-}
-
-impl Drop for MappedFile {
-    fn drop(&mut self) {
-        // Before the mapping goes (its field is dropped after this).
-        if let Some(slot) = self.slot {
-            crate::sigbus::unregister(slot);
-        }
-    }
-}
-
-/// A record's bytes in its mapped shard, keeping the mapping alive.
-#[derive(Clone)]
-pub struct Span {
-    file: Arc<MappedFile>,
-    start: usize,
-    end: usize,
-}
-
-impl Span {
-    /// The record's bytes.
-    pub fn bytes(&self) -> &[u8] {
-        &self.file[self.start..self.end]
-    }
-
-    /// Whether the bytes may be read outside guarded sections.
-    pub fn viewable(&self) -> bool {
-        self.file.viewable()
-    }
-
-    /// Whether a view found the file shrunk: some of its pages read as zeros now.
-    pub fn shrank(&self) -> bool {
-        self.file.shrank()
-    }
-}
-
-impl std::fmt::Debug for Span {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Span")
-            .field("start", &self.start)
-            .field("end", &self.end)
-            .finish()
-    }
-}
-
-impl PartialEq for Span {
-    fn eq(&self, other: &Self) -> bool {
-        self.bytes() == other.bytes()
-    }
-}
-
-impl Eq for Span {}
+use crate::mapping::{MappedFile, Span};
 
 struct Shard {
     path: PathBuf,
@@ -335,11 +215,8 @@ impl CacheReader {
     /// [`Span::viewable`].
     pub fn span(&self, sample_id: u64, verify: bool) -> Result<Span> {
         let (loc, shard) = self.checked_location(sample_id)?;
-        let span = Span {
-            file: shard.map.clone(),
-            start: loc.offset as usize,
-            end: (loc.offset + loc.length) as usize,
-        };
+        let end = (loc.offset + loc.length) as usize;
+        let span = Span::new(shard.map.clone(), loc.offset as usize, end);
         if verify {
             check_digest(sample_id, &loc, shard, span.bytes())?;
         }

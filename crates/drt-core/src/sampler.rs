@@ -21,14 +21,14 @@ fn mix64(mut z: u64) -> u64 {
 
 const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
-/// The random stream of one `(seed, epoch)`: 64 random bits for every draw index.
+/// The randomness of one `(seed, epoch)`: 64 random bits for every draw index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stream {
+pub struct EpochRandom {
     key: u64,
 }
 
-impl Stream {
-    /// The stream of epoch `epoch` under `seed`.
+impl EpochRandom {
+    /// The random bits of epoch `epoch` under `seed`.
     pub fn new(seed: u64, epoch: u64) -> Self {
         let key = mix64(mix64(seed ^ 0x6a09_e667_f3bc_c908) ^ epoch.wrapping_mul(GOLDEN));
         Self { key }
@@ -159,11 +159,11 @@ impl AliasTable {
     }
 }
 
-/// How many times each row is drawn in draws `0..n` of `stream`.
-pub fn draw_counts(table: &AliasTable, stream: Stream, n: u64) -> Vec<u64> {
+/// How many times each row is drawn in draws `0..n` under `random`.
+pub fn draw_counts(table: &AliasTable, random: EpochRandom, n: u64) -> Vec<u64> {
     let mut counts = vec![0u64; table.len()];
     for k in 0..n {
-        counts[table.draw(stream.bits(k)) as usize] += 1;
+        counts[table.draw(random.bits(k)) as usize] += 1;
     }
     counts
 }
@@ -177,7 +177,7 @@ mod tests {
         let weights = [1.0, 0.0, 3.0, 6.0];
         let table = AliasTable::new(&weights, "w").unwrap();
         let n = 400_000u64;
-        let counts = draw_counts(&table, Stream::new(7, 0), n);
+        let counts = draw_counts(&table, EpochRandom::new(7, 0), n);
         assert_eq!(counts[1], 0, "zero weight drawn");
         for (i, &w) in weights.iter().enumerate() {
             let p = w / 10.0;
@@ -191,11 +191,11 @@ mod tests {
     }
 
     #[test]
-    fn streams_are_pure_functions_of_seed_epoch_and_index() {
-        let a = Stream::new(1, 2);
-        assert_eq!(a.bits(5), Stream::new(1, 2).bits(5));
-        assert_ne!(a.bits(5), Stream::new(1, 3).bits(5));
-        assert_ne!(a.bits(5), Stream::new(2, 2).bits(5));
+    fn random_bits_are_pure_functions_of_seed_epoch_and_index() {
+        let a = EpochRandom::new(1, 2);
+        assert_eq!(a.bits(5), EpochRandom::new(1, 2).bits(5));
+        assert_ne!(a.bits(5), EpochRandom::new(1, 3).bits(5));
+        assert_ne!(a.bits(5), EpochRandom::new(2, 2).bits(5));
         assert_ne!(a.bits(5), a.bits(6));
     }
 
@@ -208,9 +208,9 @@ mod tests {
         }
         weights[999] = 1e300;
         let table = AliasTable::new(&weights, "w").unwrap();
-        let stream = Stream::new(0, 0);
+        let random = EpochRandom::new(0, 0);
         for k in 0..100_000 {
-            let row = table.draw(stream.bits(k)) as usize;
+            let row = table.draw(random.bits(k)) as usize;
             assert!(weights[row] > 0.0, "row {row} of weight zero drawn");
         }
     }
@@ -226,8 +226,8 @@ mod tests {
     #[test]
     fn pinned_draws_do_not_change_between_releases() {
         let table = AliasTable::new(&[1.0, 2.0, 3.0, 4.0], "w").unwrap();
-        let stream = Stream::new(0, 0);
-        let rows: Vec<u64> = (0..12).map(|k| table.draw(stream.bits(k))).collect();
+        let random = EpochRandom::new(0, 0);
+        let rows: Vec<u64> = (0..12).map(|k| table.draw(random.bits(k))).collect();
         assert_eq!(rows, PINNED);
     }
 

@@ -204,40 +204,6 @@ impl Store {
         Ok(())
     }
 
-    /// Makes metadata version `version`, already written to its file, the live one of cache
-    /// `lock.name`, provided the cache is still the build `cache_id`. The manifest is
-    /// rewritten atomically, so readers see the old live version or the new one.
-    pub fn commit_metadata(&self, lock: &BuildLock, cache_id: &str, version: u32) -> Result<()> {
-        let dir = self.cache_dir(&lock.name)?;
-        let mut manifest = self.manifest(&lock.name)?;
-        if manifest.cache_id != cache_id {
-            return Err(Error::CacheNotFound {
-                name: lock.name.clone(),
-                root: self.root.clone(),
-            });
-        }
-        let file = dir.join(Manifest::metadata_file(version));
-        if !file.is_file() {
-            return Err(Error::corrupt(
-                &file,
-                "metadata version to commit is missing",
-            ));
-        }
-        if manifest.metadata_versions.contains(&version) {
-            return Err(Error::Internal(format!(
-                "metadata version {version} of cache {} already exists",
-                crate::error::quote(&lock.name)
-            )));
-        }
-        let (_, digest) = crate::format::file_checksum(&file)?;
-        manifest.metadata_versions.push(version);
-        manifest.metadata_version = version;
-        manifest
-            .metadata_checksums
-            .insert(version, crate::format::checksum_hex(digest));
-        manifest.write(&dir)
-    }
-
     /// The names of the published caches under the root, sorted. A missing root has none.
     pub fn names(&self) -> Result<Vec<String>> {
         let entries = match std::fs::read_dir(&self.root) {

@@ -15,6 +15,8 @@ use crate::format::{
     checksum_hex, FileEntry, Manifest, MANIFEST_FILE, SHARD_HEADER_LEN, SHARD_MAGIC,
 };
 use crate::index::Index;
+use crate::metadata::check_digest;
+use crate::store::Store;
 
 /// One thing found wrong with a cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,6 +120,20 @@ fn check_entry(dir: &Path, entry: &FileEntry, report: &mut Report) -> Option<(Ve
     Some((bytes, intact))
 }
 
+/// Verifies cache `name` of `store` completely (see [`verify`]). A cache that does not exist
+/// is an error; a damaged manifest is for the report to describe.
+pub fn verify_named(
+    store: &Store,
+    name: &str,
+    progress: impl FnMut(u64) -> Result<()>,
+) -> Result<Report> {
+    match store.manifest(name) {
+        Ok(_) | Err(Error::Corrupt { .. } | Error::UnsupportedVersion { .. }) => {}
+        Err(other) => return Err(other),
+    }
+    verify(&store.cache_dir(name)?, progress)
+}
+
 /// Verifies the cache in `dir` completely. `progress` is told the bytes read after each file
 /// and may stop the work by returning an error (Ctrl-C).
 ///
@@ -187,14 +203,10 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(u64) -> Result<()>) -> Result
             Err(msg) => report.problem(&file, msg),
             Ok(bytes) => {
                 report.bytes_read += bytes.len() as u64;
-                if let Some(expected) = manifest.metadata_checksums.get(version) {
-                    let digest = checksum_hex(xxhash_rust::xxh3::xxh3_64(&bytes));
-                    if &digest != expected {
-                        report.problem(
-                            &file,
-                            format!("checksum {digest} does not match the manifest's {expected}"),
-                        );
-                    }
+                let expected = manifest.metadata_checksums.get(version);
+                let digest = xxhash_rust::xxh3::xxh3_64(&bytes);
+                if let Err(msg) = check_digest(expected.map(String::as_str), digest) {
+                    report.problem(&file, msg);
                 }
             }
         }

@@ -18,12 +18,12 @@ pub const BATCH_BYTES: usize = 4 << 20;
 /// Batches queued for the writer thread before the caller blocks.
 pub const MAX_BATCHES_IN_FLIGHT: usize = 4;
 
-struct Batch {
+struct Chunk {
     bytes: Vec<u8>,
     ends: Vec<usize>,
 }
 
-impl Batch {
+impl Chunk {
     fn with_capacity() -> Self {
         Self {
             bytes: Vec::with_capacity(BATCH_BYTES + BATCH_BYTES / 4),
@@ -43,12 +43,12 @@ impl Batch {
 
 /// Appends records through a writer thread; see the module documentation.
 pub struct WriteBehind {
-    batch: Batch,
-    tx: Option<SyncSender<Batch>>,
+    batch: Chunk,
+    tx: Option<SyncSender<Chunk>>,
     // Written batches come back to be refilled: their pages are already faulted in, so
     // copying a record into a batch costs a memcpy and nothing more.
     // (In a Mutex only to make the writer Sync; `&mut self` reaches it without locking.)
-    recycled: Mutex<Receiver<Batch>>,
+    recycled: Mutex<Receiver<Chunk>>,
     thread: Option<JoinHandle<Result<CacheWriter>>>,
     num_samples: u64,
     nbytes: u64,
@@ -56,8 +56,8 @@ pub struct WriteBehind {
 
 fn write_batches(
     mut writer: CacheWriter,
-    rx: Receiver<Batch>,
-    recycle: SyncSender<Batch>,
+    rx: Receiver<Chunk>,
+    recycle: SyncSender<Chunk>,
 ) -> Result<CacheWriter> {
     for mut batch in rx {
         for record in batch.records() {
@@ -82,7 +82,7 @@ impl WriteBehind {
             .spawn(move || write_batches(writer, rx, recycle))
             .map_err(|source| Error::Io { path: dir, source })?;
         Ok(Self {
-            batch: Batch::with_capacity(),
+            batch: Chunk::with_capacity(),
             tx: Some(tx),
             recycled: Mutex::new(recycled),
             thread: Some(thread),
@@ -120,7 +120,7 @@ impl WriteBehind {
             Ok(recycled) => recycled.try_recv().ok(),
             Err(_) => None,
         }
-        .unwrap_or_else(Batch::with_capacity);
+        .unwrap_or_else(Chunk::with_capacity);
         let batch = std::mem::replace(&mut self.batch, next);
         let sent = match &self.tx {
             Some(tx) => tx.send(batch).is_ok(),

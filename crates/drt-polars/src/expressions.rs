@@ -145,13 +145,13 @@ struct DrawKwargs {
     epoch: u64,
 }
 
-/// The alias table of a weight column and the epoch's stream, as the loader builds them.
-fn table_and_stream(
+/// The alias table of a weight column and the epoch's random bits, as the loader builds them.
+fn table_and_random(
     s: &Series,
     kwargs: &DrawKwargs,
 ) -> PolarsResult<(
     drt_core::sampler::AliasTable,
-    drt_core::sampler::Stream,
+    drt_core::sampler::EpochRandom,
     u64,
 )> {
     let weights = weights_f64(s)?;
@@ -159,9 +159,9 @@ fn table_and_stream(
     drt_core::weights::checked_total(weights.iter(), s.name()).map_err(compute_err)?;
     let values: Vec<f64> = weights.iter().map(|w| w.unwrap_or(f64::NAN)).collect();
     let table = drt_core::sampler::AliasTable::new(&values, s.name()).map_err(compute_err)?;
-    let stream = drt_core::sampler::Stream::new(kwargs.seed_bits as u64, kwargs.epoch);
+    let random = drt_core::sampler::EpochRandom::new(kwargs.seed_bits as u64, kwargs.epoch);
     let n = kwargs.n.unwrap_or(s.len() as u64);
-    Ok((table, stream, n))
+    Ok((table, random, n))
 }
 
 /// How many times each row is drawn in an epoch of `n` weighted draws with replacement:
@@ -169,8 +169,8 @@ fn table_and_stream(
 #[polars_expr(output_type=Int64)]
 fn draws(inputs: &[Series], kwargs: DrawKwargs) -> PolarsResult<Series> {
     let s = &inputs[0];
-    let (table, stream, n) = table_and_stream(s, &kwargs)?;
-    let counts = drt_core::sampler::draw_counts(&table, stream, n);
+    let (table, random, n) = table_and_random(s, &kwargs)?;
+    let counts = drt_core::sampler::draw_counts(&table, random, n);
     let counts: Vec<i64> = counts.into_iter().map(|c| c as i64).collect();
     Ok(Int64Chunked::from_vec(s.name().clone(), counts).into_series())
 }
@@ -179,7 +179,7 @@ fn draws(inputs: &[Series], kwargs: DrawKwargs) -> PolarsResult<Series> {
 #[polars_expr(output_type=Int64)]
 fn draw_rows(inputs: &[Series], kwargs: DrawKwargs) -> PolarsResult<Series> {
     let s = &inputs[0];
-    let (table, stream, n) = table_and_stream(s, &kwargs)?;
-    let rows: Vec<i64> = (0..n).map(|k| table.draw(stream.bits(k)) as i64).collect();
+    let (table, random, n) = table_and_random(s, &kwargs)?;
+    let rows: Vec<i64> = (0..n).map(|k| table.draw(random.bits(k)) as i64).collect();
     Ok(Int64Chunked::from_vec(s.name().clone(), rows).into_series())
 }

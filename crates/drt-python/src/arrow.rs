@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
 
 /// Reads every record batch of `obj.__arrow_c_stream__()`.
-pub fn read_stream(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RecordBatch>> {
+pub fn read_arrow(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RecordBatch>> {
     let capsule = obj.call_method0("__arrow_c_stream__")?;
     let capsule = capsule.cast::<PyCapsule>()?;
     let ptr = capsule.pointer_checked(Some(c"arrow_array_stream"))?;

@@ -47,9 +47,10 @@ impl PyCacheBuilder {
         self.session.nbytes()
     }
 
-    /// Where metadata version `version` goes inside the build directory.
-    fn metadata_path(&self, version: u32) -> PathBuf {
-        self.session.metadata_path(version)
+    /// Where the cache's metadata table is written before `finish`.
+    #[getter]
+    fn metadata_path(&self) -> PathBuf {
+        self.session.metadata_path()
     }
 
     /// Appends one serialized record; returns its sample id.
@@ -62,16 +63,11 @@ impl PyCacheBuilder {
     }
 
     /// Writes the index and manifest and publishes the cache under its name.
-    fn finish(
-        &mut self,
-        py: Python<'_>,
-        serializer: String,
-        metadata_version: u32,
-    ) -> PyResult<()> {
+    fn finish(&mut self, py: Python<'_>, serializer: String) -> PyResult<()> {
         let lock = self.lock.clone_ref(py);
         run(py, || {
             lock.get()
-                .with(|held| self.session.finish(held, serializer, metadata_version))
+                .with(|held| self.session.finish(held, serializer))
         })
     }
 

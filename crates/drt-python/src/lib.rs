@@ -11,6 +11,7 @@ mod errors;
 mod loader;
 mod lock;
 mod manifest;
+mod metadata;
 mod reader;
 mod store;
 
@@ -38,10 +39,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<loader::PySchedule>()?;
     m.add_class::<loader::PyBatch>()?;
     m.add_class::<loader::PyMappedRecord>()?;
-    m.add_class::<loader::PyBatchStream>()?;
+    m.add_class::<loader::PyPrefetcher>()?;
     m.add_function(wrap_pyfunction!(store::validate_name, m)?)?;
     m.add_function(wrap_pyfunction!(store::file_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(store::metadata_file, m)?)?;
+    m.add_class::<metadata::PyMetadataSave>()?;
+    m.add_function(wrap_pyfunction!(metadata::checked_metadata_table, m)?)?;
     m.add_function(wrap_pyfunction!(loader::write_plan, m)?)?;
     Ok(())
 }

@@ -1,19 +1,19 @@
-//! The loader's native side: writing its plan, its schedule, and streams of batches.
+//! The loader's native side: writing its plan, its schedule, and batches read ahead.
 
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 
 use arrow_array::types::{Float64Type, UInt32Type, UInt64Type};
 use drt_core::format::OOB_MAGIC;
+use drt_core::mapping::Span;
 use drt_core::plan::Plan;
 use drt_core::prefetch::{Batch, Prefetcher, Source, SourceOptions};
-use drt_core::reader::Span;
 use drt_core::schedule::Schedule;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMemoryView};
 
-use crate::arrow::{primitive_column, read_stream};
+use crate::arrow::{primitive_column, read_arrow};
 use crate::errors::{run, to_py};
 
 /// Writes a loader plan from a frame with `sample_id` (UInt64), `cache` (UInt32, when there
@@ -26,7 +26,7 @@ pub fn write_plan(
     num_caches: u32,
     weighted: bool,
 ) -> PyResult<String> {
-    let batches = read_stream(frame)?;
+    let batches = read_arrow(frame)?;
     let sample_ids = primitive_column::<UInt64Type>(&batches, "sample_id")?;
     let codes = if num_caches > 1 {
         Some(primitive_column::<UInt32Type>(&batches, "cache")?)
@@ -175,6 +175,58 @@ fn mapped_view<'py>(py: Python<'py>, span: &Span) -> PyResult<Bound<'py, PyMemor
     PyMemoryView::from(record.as_any())
 }
 
+/// Views of records in a batch's own buffer: slices of one `memoryview` of the whole
+/// buffer, made on first use, so each keeps the batch alive.
+struct BufferViews<'a, 'py> {
+    batch: &'a Bound<'py, PyBatch>,
+    whole: Option<Bound<'py, PyMemoryView>>,
+}
+
+impl<'a, 'py> BufferViews<'a, 'py> {
+    fn new(batch: &'a Bound<'py, PyBatch>) -> Self {
+        Self { batch, whole: None }
+    }
+
+    /// A read-only `memoryview` of record `i`'s bytes in the buffer.
+    fn record(&mut self, i: usize) -> PyResult<Bound<'py, PyAny>> {
+        let whole = match &self.whole {
+            Some(whole) => whole,
+            None => self.whole.insert(PyMemoryView::from(self.batch.as_any())?),
+        };
+        let inner = &self.batch.get().inner;
+        let (start, end) = (inner.starts[i] as isize, inner.ends[i] as isize);
+        whole.get_item(pyo3::types::PySlice::new(self.batch.py(), start, end, 1))
+    }
+}
+
+/// Calls `f` with a read-only `memoryview` of `bytes` that is released as soon as `f`
+/// returns: a reference `f` kept to it refuses every access from then on.
+///
+/// # Safety
+///
+/// `bytes` must stay valid and unchanged until this function returns.
+unsafe fn call_on_transient_view<'py>(
+    f: &Bound<'py, PyAny>,
+    bytes: &[u8],
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = f.py();
+    // SAFETY: the caller keeps `bytes` valid for the call; the view is released before
+    // returning, so nothing can read through it afterwards.
+    let view = unsafe {
+        Bound::from_owned_ptr_or_err(
+            py,
+            pyo3::ffi::PyMemoryView_FromMemory(
+                bytes.as_ptr() as *mut std::ffi::c_char,
+                bytes.len() as pyo3::ffi::Py_ssize_t,
+                pyo3::ffi::PyBUF_READ,
+            ),
+        )?
+    };
+    let result = f.call1((&view,));
+    view.call_method0(pyo3::intern!(py, "release"))?;
+    result
+}
+
 #[pyclass(name = "Batch", module = "dataset_rt._native", frozen)]
 pub struct PyBatch {
     inner: Batch,
@@ -238,18 +290,13 @@ impl PyBatch {
     /// mapping alive). Each starts at a 64-byte aligned address.
     fn views<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let py = slf.py();
-        let whole = PyMemoryView::from(slf.as_any())?;
         let batch = &slf.get().inner;
-        let mut views = Vec::with_capacity(batch.len());
-        for (i, (&start, &end)) in batch.starts.iter().zip(&batch.ends).enumerate() {
-            if let Some(span) = batch.outside(i) {
-                views.push(mapped_view(py, span)?.into_any());
-                continue;
-            }
-            let slice = pyo3::types::PySlice::new(py, start as isize, end as isize, 1);
-            views.push(whole.get_item(slice)?);
-        }
-        PyList::new(py, views)
+        let mut buffer = BufferViews::new(&slf);
+        let views = (0..batch.len()).map(|i| match batch.outside(i) {
+            Some(span) => Ok(mapped_view(py, span)?.into_any()),
+            None => buffer.record(i),
+        });
+        PyList::new(py, views.collect::<PyResult<Vec<_>>>()?)
     }
 
     /// Decodes every record in one native loop: records that start with `OOB_MAGIC` (those
@@ -266,41 +313,19 @@ impl PyBatch {
     ) -> PyResult<Bound<'py, PyList>> {
         let py = slf.py();
         let batch = &slf.get().inner;
-        let release = pyo3::intern!(py, "release");
-        let mut whole: Option<Bound<'py, pyo3::types::PyMemoryView>> = None;
+        let mut buffer = BufferViews::new(&slf);
         let mut out = Vec::with_capacity(batch.len());
         for i in 0..batch.len() {
-            if let Some(span) = batch.outside(i) {
-                out.push(oob.call1((mapped_view(py, span)?,))?);
-                continue;
-            }
-            let record = batch.record(i);
-            if record.starts_with(OOB_MAGIC) {
-                let whole = match &whole {
-                    Some(w) => w,
-                    None => whole.insert(PyMemoryView::from(slf.as_any())?),
-                };
-                let (start, end) = (batch.starts[i] as isize, batch.ends[i] as isize);
-                let view = whole.get_item(pyo3::types::PySlice::new(py, start, end, 1))?;
-                out.push(oob.call1((view,))?);
-                continue;
-            }
-            // SAFETY: `record` lies in the buffer of this frozen batch, which `slf` keeps
-            // alive and unchanged for the whole call. The view is released right after
-            // `plain` returns; a reference `plain` might have kept then refuses every access.
-            let view = unsafe {
-                Bound::from_owned_ptr_or_err(
-                    py,
-                    pyo3::ffi::PyMemoryView_FromMemory(
-                        record.as_ptr() as *mut std::ffi::c_char,
-                        record.len() as pyo3::ffi::Py_ssize_t,
-                        pyo3::ffi::PyBUF_READ,
-                    ),
-                )?
+            let decoded = match batch.outside(i) {
+                Some(span) => oob.call1((mapped_view(py, span)?,))?,
+                None if batch.record(i).starts_with(OOB_MAGIC) => {
+                    oob.call1((buffer.record(i)?,))?
+                }
+                // SAFETY: the record lies in the buffer of this frozen batch, which `slf`
+                // keeps alive and unchanged for the whole call.
+                None => unsafe { call_on_transient_view(plain, batch.record(i))? },
             };
-            let decoded = plain.call1((&view,));
-            view.call_method0(release)?;
-            out.push(decoded?);
+            out.push(decoded);
         }
         PyList::new(py, out)
     }
@@ -328,19 +353,19 @@ impl PyBatch {
     }
 }
 
-#[pyclass(name = "BatchStream", module = "dataset_rt._native", frozen)]
-pub struct PyBatchStream {
+#[pyclass(name = "Prefetcher", module = "dataset_rt._native", frozen)]
+pub struct PyPrefetcher {
     prefetcher: Prefetcher,
     pid: u32,
 }
 
 #[pymethods]
-impl PyBatchStream {
+impl PyPrefetcher {
     /// Starts reading batches `first, first + step, ...` of `schedule` on a native thread.
     /// `cache_dirs[i]` must hold the build `cache_ids[i]`. With `views`, records with large
     /// out-of-band buffers stay in their mapped shard instead of being copied into the batch.
     #[new]
-    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, seed, epoch, first, step, depth, verify, views = false))]
+    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, *, seed, epoch, first, step, depth, verify, views))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -388,7 +413,7 @@ impl PyBatchStream {
         if std::process::id() != self.pid {
             // Threads do not survive fork: the prefetch thread lives in the parent only.
             return Err(PyRuntimeError::new_err(
-                "a dataset_rt batch stream cannot be used in a forked child; iterate the \
+                "a dataset_rt prefetcher cannot be used in a forked child; iterate the \
                  loader inside the child instead",
             ));
         }

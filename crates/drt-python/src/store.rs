@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use drt_core::build::BuildSession;
+use drt_core::metadata::MetadataSave;
 use drt_core::store::Store;
 use drt_core::writer::WriteOptions;
 use pyo3::prelude::*;
@@ -11,6 +12,7 @@ use crate::builder::PyCacheBuilder;
 use crate::errors::{run, run_interruptible, to_py};
 use crate::lock::PyBuildLock;
 use crate::manifest::PyManifest;
+use crate::metadata::PyMetadataSave;
 use crate::reader::PyCacheReader;
 
 /// Checks a cache name; raises `CacheNameError` naming what is wrong with it.
@@ -78,29 +80,19 @@ impl PyStore {
         name: &str,
         progress: Option<Py<PyAny>>,
     ) -> PyResult<VerifyResult> {
-        let dir = run(py, || {
-            self.inner.manifest(name).map(|_| ()).or_else(|e| match e {
-                // A damaged manifest is for the report to describe, not a reason to stop.
-                drt_core::Error::Corrupt { .. } | drt_core::Error::UnsupportedVersion { .. } => {
-                    Ok(())
-                }
-                other => Err(other),
-            })?;
-            self.inner.cache_dir(name)
-        })?;
         // An exception raised by the progress callback stops the check and reaches the
         // caller as itself.
         let mut failed: Option<PyErr> = None;
         let report = run_interruptible(py, |poll| {
-            drt_core::verify::verify(&dir, |bytes| {
+            drt_core::verify::verify_named(&self.inner, name, |bytes| {
                 poll()?;
-                if let Some(callback) = &progress {
-                    Python::attach(|py| callback.call1(py, (bytes,)).map(|_| ())).map_err(|e| {
-                        failed = Some(e);
-                        drt_core::Error::Interrupted
-                    })?;
-                }
-                Ok(())
+                let Some(callback) = &progress else {
+                    return Ok(());
+                };
+                Python::attach(|py| callback.call1(py, (bytes,)).map(|_| ())).map_err(|e| {
+                    failed = Some(e);
+                    drt_core::Error::Interrupted
+                })
             })
         });
         if let Some(err) = failed {
@@ -134,17 +126,19 @@ impl PyStore {
         Ok(PyBuildLock::new(lock, waited))
     }
 
-    fn commit_metadata(
+    /// Starts saving a new metadata version of cache `lock`'s name, which must still be the
+    /// build `cache_id` (else `StaleCacheError`).
+    fn save_metadata(
         &self,
         py: Python<'_>,
         lock: Py<PyBuildLock>,
         cache_id: &str,
-        version: u32,
-    ) -> PyResult<()> {
-        run(py, || {
+    ) -> PyResult<PyMetadataSave> {
+        let save = run(py, || {
             lock.get()
-                .with(|held| self.inner.commit_metadata(held, cache_id, version))
-        })
+                .with(|held| MetadataSave::begin(&self.inner, held, cache_id))
+        })?;
+        Ok(PyMetadataSave::new(save, lock))
     }
 
     fn begin_build(

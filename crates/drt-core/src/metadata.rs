@@ -1,0 +1,225 @@
+//! A published cache's metadata versions: checking one before it is read, and saving a new
+//! one as a single transaction.
+//!
+//! The engine does not parse the tables (Parquet, written and read by Polars on the Python
+//! side); it owns everything around them: where each version lives, the checksum rule, and
+//! the order of steps that makes a save atomic. A [`MetadataSave`] hands its caller the one
+//! path to write the table to, then publishes it with `commit` or removes it with `discard`
+//! (or on drop).
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, IoContext, Result};
+use crate::faults::crash_point;
+use crate::format::{checksum_hex, file_checksum, sync_dir, Manifest, METADATA_DIR};
+use crate::store::{BuildLock, Store};
+
+/// The version a freshly built cache's table has.
+pub const FIRST_VERSION: u32 = 1;
+
+/// Compares a table's xxh3-64 digest with the one its manifest recorded for `version`
+/// (caches written before checksums recorded none: nothing to compare). `Err` says what
+/// differs; this is the one rule that both reading and [`crate::verify`] apply.
+pub fn check_digest(expected: Option<&str>, digest: u64) -> std::result::Result<(), String> {
+    let found = checksum_hex(digest);
+    match expected {
+        Some(expected) if expected != found => Err(format!(
+            "metadata table fails its checksum (manifest {expected}, file {found}); it was \
+             modified outside dataset_rt"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The file of metadata version `version` in cache directory `dir`, checked before anyone
+/// parses it: a regular file, matching the checksum `expected` (a flipped bit in a weight
+/// would otherwise parse as a wrong weight). Hashing runs at memory speed, a small cost
+/// next to the parse.
+pub fn checked_table(dir: &Path, version: u32, expected: Option<&str>) -> Result<PathBuf> {
+    let path = dir.join(Manifest::metadata_file(version));
+    match std::fs::symlink_metadata(&path) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            return Err(Error::corrupt(
+                &path,
+                "is a symbolic link; cache files must be regular",
+            ))
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::corrupt(&path, "the metadata table is missing"))
+        }
+        Err(e) => return Err(e).at(&path),
+    }
+    let (_, digest) = file_checksum(&path)?;
+    check_digest(expected, digest).map_err(|msg| Error::corrupt(&path, msg))?;
+    Ok(path)
+}
+
+/// Flushes a file's contents to disk.
+pub(crate) fn sync_file(path: &Path) -> Result<()> {
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .at(path)
+}
+
+/// Saving a new metadata version of a published cache, under its build lock.
+///
+/// `begin` checks the cache is still the build the caller edited and picks the next
+/// version; the caller writes the table to [`path`](Self::path); `commit` flushes it, moves
+/// it into place and records it (with its checksum) in the manifest, which readers see
+/// change in one atomic step. A crash at any point leaves the live version as it was.
+pub struct MetadataSave {
+    store: Store,
+    name: String,
+    cache_id: String,
+    version: u32,
+    tmp: PathBuf,
+    open: bool,
+}
+
+impl MetadataSave {
+    /// Starts saving a new version of cache `lock.name()`, which must still be the build
+    /// `cache_id` (else [`Error::Rebuilt`]). Temporary tables found now were left by a
+    /// process that died mid-save (only the lock holder writes them) and are removed.
+    pub fn begin(store: &Store, lock: &BuildLock, cache_id: &str) -> Result<Self> {
+        let name = lock.name();
+        let manifest = current(store, name, cache_id)?;
+        let dir = store.cache_dir(name)?.join(METADATA_DIR);
+        for entry in std::fs::read_dir(&dir).at(&dir)? {
+            let file = entry.at(&dir)?.file_name();
+            let file = file.to_string_lossy();
+            if file.starts_with(".v") && file.contains(".parquet.tmp-") {
+                let stale = dir.join(&*file);
+                std::fs::remove_file(&stale).at(&stale)?;
+            }
+        }
+        let version = manifest
+            .metadata_versions
+            .iter()
+            .max()
+            .map_or(FIRST_VERSION, |v| v + 1);
+        let file = Manifest::metadata_file(version);
+        let file_name = Path::new(&file)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
+        Ok(Self {
+            store: store.clone(),
+            name: name.to_string(),
+            cache_id: cache_id.to_string(),
+            version,
+            tmp,
+            open: true,
+        })
+    }
+
+    /// Where the caller writes the new table.
+    pub fn path(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// The version the table becomes.
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    /// Makes the written table the live version; returns its number. On failure nothing of
+    /// it is left and the live version is unchanged.
+    pub fn commit(&mut self, lock: &BuildLock) -> Result<u32> {
+        if !self.open {
+            return Err(Error::Internal(
+                "the metadata save was already committed or discarded".into(),
+            ));
+        }
+        if lock.name() != self.name {
+            return Err(Error::Internal(format!(
+                "a metadata save of {} was committed under the lock of {}",
+                crate::error::quote(&self.name),
+                crate::error::quote(lock.name())
+            )));
+        }
+        self.open = false;
+        let dir = self.store.cache_dir(&self.name)?;
+        let file = dir.join(Manifest::metadata_file(self.version));
+        let committed = (|| {
+            if !self.tmp.is_file() {
+                return Err(Error::Internal(format!(
+                    "the new metadata table {} was not written before the commit",
+                    self.tmp.display()
+                )));
+            }
+            crash_point("metadata-written");
+            sync_file(&self.tmp)?;
+            std::fs::rename(&self.tmp, &file).at(&file)?;
+            sync_dir(file.parent().unwrap_or(&dir))?;
+            crash_point("metadata-renamed");
+            let mut manifest = current(&self.store, &self.name, &self.cache_id)?;
+            let (_, digest) = file_checksum(&file)?;
+            manifest.metadata_versions.push(self.version);
+            manifest.metadata_version = self.version;
+            manifest
+                .metadata_checksums
+                .insert(self.version, checksum_hex(digest));
+            manifest.write(&dir)
+        })();
+        if committed.is_err() {
+            let _ = std::fs::remove_file(&self.tmp);
+            let _ = std::fs::remove_file(&file);
+        }
+        committed.map(|()| self.version)
+    }
+
+    /// Removes the table written so far; the live version is untouched.
+    pub fn discard(&mut self) -> Result<()> {
+        self.open = false;
+        match std::fs::remove_file(&self.tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).at(&self.tmp),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Drop for MetadataSave {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// The manifest of cache `name`, which must still be the build `cache_id`.
+fn current(store: &Store, name: &str, cache_id: &str) -> Result<Manifest> {
+    let manifest = store.manifest(name)?;
+    if manifest.cache_id != cache_id {
+        return Err(Error::Rebuilt {
+            name: name.to_string(),
+            expected: cache_id.to_string(),
+            found: manifest.cache_id,
+        });
+    }
+    Ok(manifest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_table_that_differs_from_its_checksum_or_is_missing_is_corrupt() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(Manifest::metadata_file(3));
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, b"table").unwrap();
+        let right = checksum_hex(xxhash_rust::xxh3::xxh3_64(b"table"));
+        assert!(checked_table(dir.path(), 3, Some(&right)).is_ok());
+        assert!(
+            checked_table(dir.path(), 3, None).is_ok(),
+            "no checksum recorded"
+        );
+        let err = checked_table(dir.path(), 3, Some("0000000000000000")).unwrap_err();
+        assert!(err.to_string().contains("fails its checksum"), "{err}");
+        let err = checked_table(dir.path(), 4, None).unwrap_err();
+        assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+    }
+}

@@ -1,0 +1,66 @@
+//! `MetadataSave` and the metadata table check: each method one call into
+//! [`drt_core::metadata`].
+
+use std::path::PathBuf;
+
+use drt_core::metadata::MetadataSave;
+use pyo3::prelude::*;
+
+use crate::errors::run;
+use crate::lock::PyBuildLock;
+
+/// The file of metadata version `version` in cache directory `cache_dir`, after checking it
+/// is a regular file matching the checksum `expected` (None: none was recorded).
+#[pyfunction]
+#[pyo3(signature = (cache_dir, version, expected=None))]
+pub fn checked_metadata_table(
+    py: Python<'_>,
+    cache_dir: PathBuf,
+    version: u32,
+    expected: Option<String>,
+) -> PyResult<PathBuf> {
+    run(py, || {
+        drt_core::metadata::checked_table(&cache_dir, version, expected.as_deref())
+    })
+}
+
+/// A new metadata version being saved under its cache's build lock: write the table to
+/// `path`, then `commit()` (or `discard()`).
+#[pyclass(name = "MetadataSave", module = "dataset_rt._native")]
+pub struct PyMetadataSave {
+    save: MetadataSave,
+    lock: Py<PyBuildLock>,
+}
+
+impl PyMetadataSave {
+    /// Wraps a save begun under `lock`, which `commit` records under.
+    pub fn new(save: MetadataSave, lock: Py<PyBuildLock>) -> Self {
+        Self { save, lock }
+    }
+}
+
+#[pymethods]
+impl PyMetadataSave {
+    /// Where to write the new table.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.save.path().to_path_buf()
+    }
+
+    /// The version the table becomes.
+    #[getter]
+    fn version(&self) -> u32 {
+        self.save.version()
+    }
+
+    /// Makes the written table the live version; returns its number.
+    fn commit(&mut self, py: Python<'_>) -> PyResult<u32> {
+        let lock = self.lock.clone_ref(py);
+        run(py, || lock.get().with(|held| self.save.commit(held)))
+    }
+
+    /// Removes the table written so far; the live version is untouched.
+    fn discard(&mut self, py: Python<'_>) -> PyResult<()> {
+        run(py, || self.save.discard())
+    }
+}
