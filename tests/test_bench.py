@@ -21,8 +21,9 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
             ["P1 ", "P2 ", "P7 ", "P3 ", "P5 ", "sampler for"],
         ),
         (["serialize.py", "--smoke"], ["bare copy", "zero-copy (default)", "pickle in band"]),
+        (["access.py", "--smoke"], ["mmap, one by one", "get, one by one", "get_many, 256"]),
     ],
-    ids=["build", "metadata", "loader", "serialize"],
+    ids=["build", "metadata", "loader", "serialize", "access"],
 )
 def test_benchmark_runs_and_prints_its_table(args: list[str], expected: list[str]) -> None:
     result = subprocess.run(

@@ -42,6 +42,48 @@ def test_out_of_range_and_non_int_ids(small: drt.Cache) -> None:
     assert small.get(np.int64(3))["label"] == 3  # type: ignore[arg-type]
 
 
+def test_get_many_returns_records_in_the_order_asked_for(small: drt.Cache) -> None:
+    import numpy as np
+
+    ids = [199, 0, 57, 57, 3]
+    for asked in (ids, tuple(ids), np.array(ids), range(5)):
+        expected = [record(i) for i in (asked if not isinstance(asked, np.ndarray) else ids)]
+        got = small.get_many(asked, verify=True)
+        assert len(got) == len(expected)
+        assert all(same_record(g, e) for g, e in zip(got, expected, strict=True))
+    assert small.get_many([]) == []
+    with pytest.raises(SampleIndexError, match="sample_id 200 is out of range"):
+        small.get_many([1, 200])
+    with pytest.raises(SampleIndexError, match="negative"):
+        small.get_many([1, -2])
+    raw = small.get_many([7, 2], decode=bytes)
+    assert raw == [small.get_bytes(7), small.get_bytes(2)]
+
+
+def test_a_map_style_dataset_serves_dataloader_batches_with_get_many(small: drt.Cache) -> None:
+    import torch
+
+    class Records(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __init__(self, cache: drt.Cache) -> None:
+            self.cache, self.batched = cache, 0
+
+        def __len__(self) -> int:
+            return len(self.cache)
+
+        def __getitem__(self, i: int) -> object:
+            raise AssertionError("DataLoader asks __getitems__ for whole batches")
+
+        def __getitems__(self, ids: list[int]) -> list[object]:
+            self.batched += 1
+            return self.cache.get_many(ids)
+
+    dataset = Records(small)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=32, collate_fn=list)
+    seen = [r["label"] for batch in loader for r in batch]
+    assert seen == [record(i)["label"] for i in range(200)]
+    assert dataset.batched == 7
+
+
 def test_repr_and_html(small: drt.Cache) -> None:
     text = repr(small)
     assert text.startswith("Cache('small', samples=200,")

@@ -203,6 +203,23 @@ def test_loader_arrays_view_the_mapped_shard_and_outlive_loader_and_cache() -> N
     assert _mappings_of(shard) < held
 
 
+def test_records_with_large_arrays_of_any_size_are_read_in_place_by_get_and_loaders() -> None:
+    # Odd sizes: without the writer's 64-byte rule for such records, most would start at an
+    # address the arrays cannot be viewed at and be copied instead.
+    records = [{"x": np.full(9_000 + 7 * i, i, dtype=np.float64)} for i in range(12)]
+    cache = drt.cache(records, "odd-sizes", progress=False)
+    shard = str(cache.path / "shards" / "00000.bin")
+    got = [cache.get(i)["x"] for i in range(12)] + [r["x"] for r in cache.get_many([11, 3, 3])]
+    loader = cache.metadata.drt.loader(batch_size=12, shuffle=False, collate=list)
+    got += [r["x"] for r in next(iter(loader))]
+    assert all(_mapped_file(a.ctypes.data) == shard for a in got)
+    assert all(a.ctypes.data % 64 == 0 and not a.flags.writeable for a in got)
+    assert [int(a[0]) for a in got] == [*range(12), 11, 3, 3, *range(12)]
+    assert [len(a) for a in got[:12]] == [9_000 + 7 * i for i in range(12)]
+    private = cache.get_many([5], copy=True)[0]["x"]
+    assert private.flags.writeable and _mapped_file(private.ctypes.data) != shard
+
+
 def test_copy_true_arrays_are_private_even_for_records_left_in_the_shard() -> None:
     records = [{"x": np.full((128, 128), i, dtype=np.float32)} for i in range(8)]
     cache = drt.cache(records, "shard-copies", progress=False)

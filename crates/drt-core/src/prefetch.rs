@@ -104,15 +104,66 @@ impl Eq for Recycle {}
 pub const BATCH_ALIGN: usize = crate::format::RECORD_ALIGN;
 
 impl Batch {
-    /// Record `sample_id` of `reader` copied into a one-record batch, at an aligned address.
-    pub fn of_record(reader: &CacheReader, sample_id: u64, verify: bool) -> Result<Batch> {
-        reader.guarded_record(sample_id, verify, |bytes| {
+    /// Records `sample_ids` of `reader`, in order, as one batch: each copied into the
+    /// batch's buffer at an aligned address, or left in its mapped shard where `views` says
+    /// so. A shard that shrank under the reads is an error, and the reader stops serving.
+    pub fn of_records(
+        reader: &CacheReader,
+        sample_ids: &[u64],
+        verify: bool,
+        views: Option<&ViewRule>,
+    ) -> Result<Batch> {
+        let (result, faulted) = crate::sigbus::guarded(|| {
+            let spans = sample_ids
+                .iter()
+                .map(|&id| reader.span(id, verify))
+                .collect::<Result<Vec<_>>>()?;
             let mut batch = Batch::default();
-            batch.caches.push(0);
-            batch.sample_ids.push(sample_id);
-            batch.fill(&[bytes], bytes.len());
-            batch
-        })
+            batch.caches = vec![0; sample_ids.len()];
+            batch.sample_ids = sample_ids.to_vec();
+            batch.gather(spans, views, Vec::with_capacity);
+            Ok(batch)
+        });
+        if faulted {
+            reader.poison();
+            return Err(reader.shrank());
+        }
+        result
+    }
+
+    /// Fills the batch with the records at `spans` (one per record, in order): those that
+    /// `views` applies to stay in their shard (their pages touched now), the others are
+    /// copied into a buffer from `buffer(capacity)`. Must run in a guarded section.
+    fn gather(
+        &mut self,
+        spans: Vec<Span>,
+        views: Option<&ViewRule>,
+        buffer: impl FnOnce(usize) -> Vec<u8>,
+    ) {
+        let outside: Vec<bool> = spans
+            .iter()
+            .map(|span| views.is_some_and(|rule| rule.applies(span)))
+            .collect();
+        for (span, _) in spans.iter().zip(&outside).filter(|(_, &out)| out) {
+            touch(span.bytes());
+        }
+        // Records left in place take no room in the buffer: an empty slice each.
+        let records: Vec<&[u8]> = spans
+            .iter()
+            .zip(&outside)
+            .map(|(span, &out)| if out { &[][..] } else { span.bytes() })
+            .collect();
+        let total = records.iter().map(|r| r.len()).sum::<usize>();
+        self.data = buffer(total + (records.len() + 1) * (BATCH_ALIGN - 1));
+        self.fill(&records, total);
+        drop(records);
+        if outside.iter().any(|&out| out) {
+            self.outside = spans
+                .into_iter()
+                .zip(outside)
+                .map(|(span, out)| out.then_some(span))
+                .collect();
+        }
     }
 
     /// The bytes of record `i`. Those of a record left in its shard may be read outside a
@@ -195,7 +246,7 @@ pub struct Source {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ViewRule {
     /// The leading bytes of records to leave in place (the out-of-band record header).
-    pub prefix: Vec<u8>,
+    pub prefix: &'static [u8],
     /// The shortest record worth leaving in place.
     pub min_len: usize,
 }
@@ -205,17 +256,18 @@ impl ViewRule {
     /// buffers of [`MIN_OUT_OF_BAND`](crate::format::MIN_OUT_OF_BAND) bytes or more.
     pub fn out_of_band() -> Self {
         Self {
-            prefix: crate::format::OOB_MAGIC.to_vec(),
+            prefix: crate::format::OOB_MAGIC,
             min_len: crate::format::MIN_OUT_OF_BAND,
         }
     }
 
-    fn applies(&self, span: &Span) -> bool {
+    /// Whether the record at `span` is left in place.
+    pub fn applies(&self, span: &Span) -> bool {
         let bytes = span.bytes();
         span.viewable()
             && (bytes.as_ptr() as usize).is_multiple_of(BATCH_ALIGN)
             && bytes.len() >= self.min_len
-            && bytes.starts_with(&self.prefix)
+            && bytes.starts_with(self.prefix)
     }
 }
 
@@ -306,40 +358,17 @@ impl Source {
             batch.sample_ids.push(sample_id);
         }
         let mut spans = Vec::with_capacity(batch.len());
-        let mut outside = Vec::with_capacity(batch.len());
         for (&cache, &sample_id) in batch.caches.iter().zip(&batch.sample_ids) {
             let reader = self
                 .caches
                 .get(cache as usize)
                 .ok_or_else(|| Error::Internal(format!("cache code {cache} has no open cache")))?;
-            let span = reader.span(sample_id, self.verify)?;
-            let leave = self.views.as_ref().is_some_and(|rule| rule.applies(&span));
-            if leave {
-                touch(span.bytes());
-            }
-            outside.push(leave);
-            spans.push(span);
+            spans.push(reader.span(sample_id, self.verify)?);
         }
-        // Records left in place take no room in the buffer: an empty slice each.
-        let records: Vec<&[u8]> = spans
-            .iter()
-            .zip(&outside)
-            .map(|(span, &out)| if out { &[][..] } else { span.bytes() })
-            .collect();
-        let total = records.iter().map(|r| r.len()).sum::<usize>();
-        batch.data = self
-            .recycler
-            .take(total + (records.len() + 1) * (BATCH_ALIGN - 1));
         batch.recycle = Recycle(Some(self.recycler.clone()));
-        batch.fill(&records, total);
-        drop(records);
-        if outside.iter().any(|&out| out) {
-            batch.outside = spans
-                .into_iter()
-                .zip(outside)
-                .map(|(span, out)| out.then_some(span))
-                .collect();
-        }
+        batch.gather(spans, self.views.as_deref(), |capacity| {
+            self.recycler.take(capacity)
+        });
         Ok(batch)
     }
 }
@@ -526,7 +555,7 @@ mod tests {
             verify: true,
             recycler: Arc::default(),
             views: Some(Arc::new(ViewRule {
-                prefix: b"VIEW".to_vec(),
+                prefix: b"VIEW",
                 min_len: 1000,
             })),
         };

@@ -223,6 +223,17 @@ impl CacheReader {
         Ok(span)
     }
 
+    /// [`span`](Self::span) in a guarded section: a shard that shrank under the read (with
+    /// `verify`, every byte is read) is an error, and the reader stops serving.
+    pub fn guarded_span(&self, sample_id: u64, verify: bool) -> Result<Span> {
+        let (result, faulted) = crate::sigbus::guarded(|| self.span(sample_id, verify));
+        if faulted {
+            self.poison();
+            return Err(self.shrank());
+        }
+        result
+    }
+
     /// The bytes of record `sample_id`, viewed in the mapped shard.
     pub fn record(&self, sample_id: u64) -> Result<&[u8]> {
         let (loc, shard) = self.checked_location(sample_id)?;
@@ -357,6 +368,40 @@ pub(crate) mod tests {
                 assert!(s.size <= 8192, "{s:?}");
             }
         }
+    }
+
+    #[test]
+    fn records_with_large_out_of_band_buffers_start_64_byte_aligned_whatever_the_alignment() {
+        use crate::format::{MIN_OUT_OF_BAND, OOB_MAGIC, RECORD_ALIGN};
+        let dir = tempfile::tempdir().unwrap();
+        let oob = |len: usize| {
+            let mut r = OOB_MAGIC.to_vec();
+            r.resize(len, 7);
+            r
+        };
+        // Odd lengths, so that alignment 1 would leave most of them unaligned.
+        let recs = vec![
+            vec![1u8; 3],
+            oob(MIN_OUT_OF_BAND + 5),
+            vec![2u8; 5],
+            oob(MIN_OUT_OF_BAND + 11),
+            oob(100), // too short to be viewed in place: the cache's alignment is enough
+        ];
+        let opts = WriteOptions {
+            shard_size: 1 << 20,
+            alignment: 1,
+        };
+        build(dir.path(), &recs, opts);
+        let reader = CacheReader::open(dir.path()).unwrap();
+        for i in [1, 3] {
+            assert_eq!(
+                reader.index.location(i).offset % RECORD_ALIGN as u64,
+                0,
+                "{i}"
+            );
+            assert_eq!(reader.record(i).unwrap(), &recs[i as usize][..]);
+        }
+        assert_ne!(reader.index.location(4).offset % RECORD_ALIGN as u64, 0);
     }
 
     #[test]

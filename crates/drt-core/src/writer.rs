@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, IoContext, Result};
 use crate::format::{
     checksum_hex, shard_file, FileEntry, Manifest, FORMAT_VERSION, INDEX_FILE, METADATA_DIR,
-    SHARDS_DIR, SHARD_HEADER_LEN, SHARD_MAGIC,
+    MIN_OUT_OF_BAND, OOB_MAGIC, RECORD_ALIGN, SHARDS_DIR, SHARD_HEADER_LEN, SHARD_MAGIC,
 };
 use crate::index::{HashingWriter, IndexBuilder, Location};
 
@@ -49,6 +49,18 @@ impl WriteOptions {
             );
         }
         Ok(())
+    }
+}
+
+/// Where in its shard a record starts: at a multiple of the cache's `alignment`, and of
+/// [`RECORD_ALIGN`] for records with large out-of-band buffers, so that readers can view
+/// their arrays in the mapped shard (aligned as a copy in a batch would be) instead of
+/// copying them.
+pub fn record_alignment(record: &[u8], alignment: u64) -> u64 {
+    if record.len() >= MIN_OUT_OF_BAND && record.starts_with(OOB_MAGIC) {
+        alignment.max(RECORD_ALIGN as u64)
+    } else {
+        alignment
     }
 }
 
@@ -153,7 +165,7 @@ impl CacheWriter {
     /// Appends one record; returns its sample id.
     pub fn append(&mut self, record: &[u8]) -> Result<u64> {
         let len = record.len() as u64;
-        let align = self.opts.alignment;
+        let align = record_alignment(record, self.opts.alignment);
         let needs_new = match &self.shard {
             None => true,
             Some(s) => {

@@ -170,7 +170,7 @@ unsafe fn fill_read_only(
 }
 
 /// A read-only memoryview of a record left in its mapped shard.
-fn mapped_view<'py>(py: Python<'py>, span: &Span) -> PyResult<Bound<'py, PyMemoryView>> {
+pub fn mapped_view<'py>(py: Python<'py>, span: &Span) -> PyResult<Bound<'py, PyMemoryView>> {
     let record = Bound::new(py, PyMappedRecord { span: span.clone() })?;
     PyMemoryView::from(record.as_any())
 }
@@ -205,7 +205,7 @@ impl<'a, 'py> BufferViews<'a, 'py> {
 /// # Safety
 ///
 /// `bytes` must stay valid and unchanged until this function returns.
-unsafe fn call_on_transient_view<'py>(
+pub unsafe fn call_on_transient_view<'py>(
     f: &Bound<'py, PyAny>,
     bytes: &[u8],
 ) -> PyResult<Bound<'py, PyAny>> {
@@ -288,7 +288,7 @@ impl PyBatch {
     /// The records as read-only `memoryview`s, without copying: of the batch's buffer
     /// (keeping the batch alive), or of the mapped shard for records left there (keeping the
     /// mapping alive). Each starts at a 64-byte aligned address.
-    fn views<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+    pub fn views<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let py = slf.py();
         let batch = &slf.get().inner;
         let mut buffer = BufferViews::new(&slf);

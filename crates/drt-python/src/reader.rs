@@ -2,14 +2,16 @@
 
 use std::sync::Arc;
 
-use drt_core::prefetch::Batch;
+use drt_core::prefetch::{Batch, ViewRule};
 use drt_core::reader::CacheReader;
 use pyo3::prelude::*;
 
-use crate::loader::PyBatch;
+use drt_core::format::OOB_MAGIC;
+
+use crate::loader::{call_on_transient_view, mapped_view, PyBatch};
 use pyo3::types::PyBytes;
 
-use crate::errors::to_py;
+use crate::errors::{run, to_py};
 use crate::manifest::PyManifest;
 
 #[pyclass(name = "CacheReader", module = "dataset_rt._native", frozen)]
@@ -41,13 +43,67 @@ impl PyCacheReader {
         self.inner.len() as usize
     }
 
-    /// One record copied into a one-record `Batch` whose buffer starts 64-byte aligned, for
-    /// decoding arrays as views (`batch.views()[0]`).
-    #[pyo3(signature = (sample_id, verify = false))]
-    fn get_batch(&self, py: Python<'_>, sample_id: u64, verify: bool) -> PyResult<PyBatch> {
-        Batch::of_record(&self.inner, sample_id, verify)
-            .map(PyBatch::from)
-            .map_err(|e| to_py(py, e))
+    /// Records `sample_ids`, in order, as one `Batch` whose records start 64-byte aligned:
+    /// copied into its buffer, or with `views`, records with large out-of-band buffers left
+    /// in their mapped shard.
+    #[pyo3(signature = (sample_ids, verify = false, views = false))]
+    fn get_batch(
+        &self,
+        py: Python<'_>,
+        sample_ids: Vec<u64>,
+        verify: bool,
+        views: bool,
+    ) -> PyResult<PyBatch> {
+        let rule = views.then(ViewRule::out_of_band);
+        let read = || Batch::of_records(&self.inner, &sample_ids, verify, rule.as_ref());
+        // One small record reads faster than the GIL changes hands.
+        let batch = if sample_ids.len() > 1 {
+            run(py, read)?
+        } else {
+            read().map_err(|e| to_py(py, e))?
+        };
+        Ok(PyBatch::from(batch))
+    }
+
+    /// Record `sample_id` decoded where it lies in its mapped shard, without a copy where
+    /// possible: by `oob` from a view of the shard (records with large out-of-band buffers
+    /// at an aligned address), by `plain` (`pickle.loads`) from a view released once it
+    /// returns (plain pickles), else by `oob` from an aligned copy. Exceptions of the
+    /// decoders are raised as they are; the caller names the record.
+    #[pyo3(signature = (sample_id, verify, plain, oob))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        sample_id: u64,
+        verify: bool,
+        plain: &Bound<'py, PyAny>,
+        oob: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let span = self
+            .inner
+            .guarded_span(sample_id, verify)
+            .map_err(|e| to_py(py, e))?;
+        let shrank = || to_py(py, self.inner.shrank());
+        if span.shrank() {
+            return Err(shrank());
+        }
+        let decoded = if ViewRule::out_of_band().applies(&span) {
+            oob.call1((mapped_view(py, &span)?,))
+        } else if span.viewable() && !span.bytes().starts_with(OOB_MAGIC) {
+            // SAFETY: the span keeps its mapping alive for the call; a registered mapping
+            // reads as zeros, never faults, if the file shrinks meanwhile (checked below).
+            unsafe { call_on_transient_view(plain, span.bytes()) }
+        } else {
+            let batch = Batch::of_records(&self.inner, &[sample_id], verify, None)
+                .map_err(|e| to_py(py, e))?;
+            let batch = Bound::new(py, PyBatch::from(batch))?;
+            oob.call1((PyBatch::views(batch)?.get_item(0)?,))
+        };
+        // What was decoded from zeros (or failed on them) is the shrinking's doing.
+        if span.shrank() {
+            return Err(shrank());
+        }
+        decoded
     }
 
     /// The bytes of one record; `verify=True` checks them against the stored checksum.
