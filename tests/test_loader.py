@@ -449,3 +449,19 @@ def test_the_frame_method_shows_and_documents_every_loader_option(cache: drt.Cac
     assert all(f"``{name}``" in doc for name in options if name != "batch_size"), doc
     with pytest.raises(TypeError, match="shufle"):
         cache.metadata.drt.loader(batch_size=4, shufle=False)
+
+
+@pytest.mark.parametrize("dtype", [pl.Int32, pl.UInt32, pl.UInt64])
+def test_any_integer_sample_id_column_draws_what_int64_draws(
+    cache: drt.Cache, dtype: pl.DataType
+) -> None:
+    def draws(frame: pl.DataFrame) -> list[int]:
+        loader = frame.drt.loader(batch_size=50, seed=3, collate=list)
+        return [int(r["x"][0]) for batch in loader for r in batch]
+
+    frame = cache.metadata
+    other = frame.with_columns(pl.col("sample_id").cast(dtype))
+    assert draws(other) == draws(frame)
+    too_far = other.with_columns(pl.col("sample_id") + 300)
+    with pytest.raises(MetadataError, match="is not a sample of cache"):
+        too_far.drt.loader(batch_size=50)

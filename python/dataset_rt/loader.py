@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -301,15 +301,26 @@ class Loader:
         ids = data["sample_id"]
         if cache_ids.null_count() or not ids.dtype.is_integer() or ids.null_count():
             raise MetadataError("cache_id must be non-null strings and sample_id non-null integers")
-        uniques = cache_ids.unique(maintain_order=True).to_list()
-        caches = [open_by_id(cid, root) for cid in uniques]
-        codes = cache_ids.replace_strict(uniques, range(len(uniques)), return_dtype=pl.UInt32)
-        bounds = (
-            pl.DataFrame({"cache": codes, "sample_id": ids})
-            .group_by("cache")
-            .agg(low=pl.col("sample_id").min(), high=pl.col("sample_id").max())
-        )
-        for code, low, high in bounds.iter_rows():
+        if ids.dtype not in (pl.Int64, pl.UInt64):
+            ids = ids.cast(pl.Int64)
+        first = cache_ids[0]
+        columns: dict[str, pl.Series] = {"sample_id": ids}
+        if (cache_ids == first).all():
+            # One cache, the usual case: no per-row codes to compute or store.
+            caches = [open_by_id(first, root)]
+            bounds: list[tuple[int, int, int]] = [(0, cast(int, ids.min()), cast(int, ids.max()))]
+        else:
+            uniques = cache_ids.unique(maintain_order=True).to_list()
+            caches = [open_by_id(cid, root) for cid in uniques]
+            codes = cache_ids.replace_strict(uniques, range(len(uniques)), return_dtype=pl.UInt32)
+            columns["cache"] = codes
+            bounds = list(
+                pl.DataFrame({"cache": codes, "sample_id": ids})
+                .group_by("cache")
+                .agg(low=pl.col("sample_id").min(), high=pl.col("sample_id").max())
+                .iter_rows()
+            )
+        for code, low, high in bounds:
             cache = caches[code]
             if low < 0 or high >= len(cache):
                 bad = low if low < 0 else high
@@ -317,7 +328,6 @@ class Loader:
                     f"sample_id {bad} is not a sample of cache {cache.name!r} "
                     f"({len(cache)} samples)"
                 )
-        columns = {"sample_id": ids.cast(pl.UInt64), "cache": codes}
         if self._shuffle:
             columns["weight"] = check_weights(data["weight"], ids)
         return caches, pl.DataFrame(columns)

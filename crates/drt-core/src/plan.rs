@@ -44,12 +44,38 @@ impl std::fmt::Debug for Plan {
     }
 }
 
-fn write_u32s(out: &mut impl Write, values: &[u32], path: &Path) -> Result<()> {
+/// Writes `values` as little-endian bytes, in place on little-endian machines.
+fn write_le<T: LeBytes>(out: &mut impl Write, values: &[T], path: &Path) -> Result<()> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: `T` is a plain integer type (see `LeBytes`): every byte of the slice is
+        // initialised, u8 needs no alignment, and the bytes are already in file order.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+        };
+        return out.write_all(bytes).at(path);
+    }
     for chunk in values.chunks(1 << 16) {
-        let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.le_bytes()).collect();
         out.write_all(&bytes).at(path)?;
     }
     Ok(())
+}
+
+/// The integer types a plan holds.
+trait LeBytes: Copy {
+    fn le_bytes(self) -> Vec<u8>;
+}
+
+impl LeBytes for u32 {
+    fn le_bytes(self) -> Vec<u8> {
+        self.to_le_bytes().to_vec()
+    }
+}
+
+impl LeBytes for u64 {
+    fn le_bytes(self) -> Vec<u8> {
+        self.to_le_bytes().to_vec()
+    }
 }
 
 impl Plan {
@@ -86,16 +112,13 @@ impl Plan {
             | if table.is_some() { WEIGHTED } else { 0 };
         header[20..24].copy_from_slice(&flags.to_le_bytes());
         out.write_all(&header).at(path)?;
-        for chunk in sample_ids.chunks(1 << 16) {
-            let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
-            out.write_all(&bytes).at(path)?;
-        }
+        write_le(&mut out, sample_ids, path)?;
         if let Some((codes, _)) = caches {
-            write_u32s(&mut out, codes, path)?;
+            write_le(&mut out, codes, path)?;
         }
         if let Some(table) = &table {
-            write_u32s(&mut out, &table.threshold, path)?;
-            write_u32s(&mut out, &table.alias, path)?;
+            write_le(&mut out, &table.threshold, path)?;
+            write_le(&mut out, &table.alias, path)?;
         }
         let (_, digest, inner) = out.finish();
         inner.into_inner().map_err(|e| e.into_error()).at(path)?;

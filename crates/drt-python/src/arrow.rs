@@ -1,8 +1,11 @@
 //! Importing columns from any object that speaks the Arrow PyCapsule stream interface
 //! (`__arrow_c_stream__`: Polars, PyArrow, ...), without numpy or pyarrow.
 
+use std::borrow::Cow;
+
 use arrow_array::cast::AsArray;
 use arrow_array::ffi_stream::{FFI_ArrowArrayStream, RecordBatchStreamReader};
+use arrow_array::types::{Int64Type, UInt64Type};
 use arrow_array::{Array, ArrowPrimitiveType, RecordBatch};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -33,12 +36,13 @@ fn column<'a>(batch: &'a RecordBatch, name: &str) -> PyResult<&'a dyn Array> {
         .ok_or_else(|| PyValueError::new_err(format!("the stream lacks column {name:?}")))
 }
 
-/// Concatenates a non-null primitive column (UInt64, UInt32, Float64, ...) of all batches.
-pub fn primitive_column<T: ArrowPrimitiveType>(
-    batches: &[RecordBatch],
+/// A non-null primitive column (UInt64, UInt32, Float64, ...) of all batches: borrowed from
+/// the Arrow buffer when there is one batch (no copy), concatenated otherwise.
+pub fn primitive_column<'a, T: ArrowPrimitiveType>(
+    batches: &'a [RecordBatch],
     name: &str,
-) -> PyResult<Vec<T::Native>> {
-    let mut out = Vec::new();
+) -> PyResult<Cow<'a, [T::Native]>> {
+    let mut parts = Vec::with_capacity(batches.len());
     for batch in batches {
         let array = column(batch, name)?;
         if array.null_count() > 0 {
@@ -49,7 +53,37 @@ pub fn primitive_column<T: ArrowPrimitiveType>(
         let typed = array.as_primitive_opt::<T>().ok_or_else(|| {
             PyValueError::new_err(format!("column {name:?} must be {}", T::DATA_TYPE))
         })?;
-        out.extend_from_slice(typed.values());
+        parts.push(&typed.values()[..]);
     }
-    Ok(out)
+    Ok(match parts.as_slice() {
+        [one] => Cow::Borrowed(one),
+        _ => Cow::Owned(parts.concat()),
+    })
+}
+
+/// A non-null, non-negative integer column (Int64 or UInt64) as `u64`s, borrowed where
+/// [`primitive_column`] would be.
+pub fn index_column<'a>(batches: &'a [RecordBatch], name: &str) -> PyResult<Cow<'a, [u64]>> {
+    let signed = batches
+        .first()
+        .and_then(|b| b.column_by_name(name))
+        .is_some_and(|c| c.data_type() == &Int64Type::DATA_TYPE);
+    if !signed {
+        return primitive_column::<UInt64Type>(batches, name);
+    }
+    let values = primitive_column::<Int64Type>(batches, name)?;
+    if let Some(bad) = values.iter().find(|&&v| v < 0) {
+        return Err(PyValueError::new_err(format!(
+            "column {name:?} holds the negative value {bad}"
+        )));
+    }
+    Ok(match values {
+        Cow::Borrowed(v) => {
+            // SAFETY: i64 and u64 have the same size and alignment, and every value is
+            // non-negative, so each reads as the same number.
+            let unsigned = unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len()) };
+            Cow::Borrowed(unsigned)
+        }
+        Cow::Owned(v) => Cow::Owned(v.into_iter().map(|x| x as u64).collect()),
+    })
 }

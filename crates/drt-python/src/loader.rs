@@ -3,7 +3,7 @@
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 
-use arrow_array::types::{Float64Type, UInt32Type, UInt64Type};
+use arrow_array::types::{Float64Type, UInt32Type};
 use drt_core::format::OOB_MAGIC;
 use drt_core::mapping::Span;
 use drt_core::plan::Plan;
@@ -13,11 +13,12 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMemoryView};
 
-use crate::arrow::{primitive_column, read_arrow};
+use crate::arrow::{index_column, primitive_column, read_arrow};
 use crate::errors::{run, to_py};
 
-/// Writes a loader plan from a frame with `sample_id` (UInt64), `cache` (UInt32, when there
-/// are several caches) and `weight` (Float64, when `weighted`); returns its digest in hex.
+/// Writes a loader plan from a frame with `sample_id` (Int64 or UInt64, non-negative),
+/// `cache` (UInt32, when there are several caches) and `weight` (Float64, when `weighted`);
+/// returns its digest in hex. The columns are read in place, not copied.
 #[pyfunction]
 pub fn write_plan(
     py: Python<'_>,
@@ -27,7 +28,7 @@ pub fn write_plan(
     weighted: bool,
 ) -> PyResult<String> {
     let batches = read_arrow(frame)?;
-    let sample_ids = primitive_column::<UInt64Type>(&batches, "sample_id")?;
+    let sample_ids = index_column(&batches, "sample_id")?;
     let codes = if num_caches > 1 {
         Some(primitive_column::<UInt32Type>(&batches, "cache")?)
     } else {
@@ -38,7 +39,6 @@ pub fn write_plan(
     } else {
         None
     };
-    drop(batches);
     let digest = run(py, || {
         Plan::write(
             &path,
