@@ -3,7 +3,8 @@
 P1  raw random weighted reads into Python, vs. a pure-Python mmap + numpy offsets reader
 P2  end-to-end pickle decode in one process, vs. decoding the same bytes from a list in RAM
 P7  throughput with num_workers = 0, 1, 2 (decode + PyTorch collate)
-P3  open + first batch in a fresh process, at 1M (and with --scale 10M) samples
+P3  open + first batch in a fresh process, over .metadata and over .scan() (whose loader
+    maps the plan saved with the version), at 1M (and with --scale 10M) samples
 P5  PSS of the parent and each worker with num_workers = 0, 1, 2
     sampler build time for 100M rows (with --scale)
 
@@ -162,7 +163,7 @@ t0 = time.perf_counter()
 import dataset_rt as drt
 t1 = time.perf_counter()
 c = drt.open({name!r}, root={root!r})
-loader = c.metadata.drt.loader(batch_size=256, seed=0, collate=list)
+loader = c.{frame}.drt.loader(batch_size=256, seed=0, collate=list)
 next(iter(loader))
 t2 = time.perf_counter()
 print(t1 - t0, t2 - t1)
@@ -227,21 +228,24 @@ def scale_points(sizes: list[int], rounds: int) -> None:
         start = time.perf_counter()
         drt.cache(range(n), name, root=ROOT, progress=False, metadata=lambda i: {"label": i % 10})
         print(f"\n== {n:,} tiny records (built in {time.perf_counter() - start:.1f} s) ==")
-        imports, opens = [], []
-        for _ in range(rounds + 1):
-            code = STARTUP.format(name=name, root=str(ROOT))
-            out = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        opens: dict[str, list[float]] = {"metadata": [], "scan()": []}
+        imports = []
+        for frame in opens:
+            for _ in range(rounds + 1):
+                code = STARTUP.format(name=name, root=str(ROOT), frame=frame)
+                out = subprocess.run(
+                    [sys.executable, "-c", code], capture_output=True, text=True, check=True
+                )
+                a, b = (float(x) for x in out.stdout.split())
+                imports.append(a)
+                opens[frame].append(b)
+            opens[frame] = opens[frame][1:]
+        print(f"P3 fresh process: import dataset_rt {statistics.median(imports) * 1000:.0f} ms")
+        for frame, times in opens.items():
+            print(
+                f"  open + {frame} + loader + first batch {statistics.median(times) * 1000:.0f} "
+                f"ms ± {(max(times) - min(times)) * 1000:.0f}"
             )
-            a, b = (float(x) for x in out.stdout.split())
-            imports.append(a)
-            opens.append(b)
-        imports, opens = imports[1:], opens[1:]
-        print(
-            f"P3 fresh process: import dataset_rt {statistics.median(imports) * 1000:.0f} ms; "
-            f"open + metadata + loader + first batch {statistics.median(opens) * 1000:.0f} ms "
-            f"± {(max(opens) - min(opens)) * 1000:.0f}"
-        )
         print("P5 peak memory while iterating (KiB): PSS / anonymous, parent and each worker")
         for workers in (0, 1, 2):
             code = MEMORY.format(name=name, root=str(ROOT), workers=workers)

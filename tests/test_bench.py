@@ -18,7 +18,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["metadata.py", "--rows", "20000", "--rounds", "1"], ["native Polars", ".drt.balance"]),
         (
             ["loader.py", "--records", "2000", "--draws", "2000", "--rounds", "1", "--smoke"],
-            ["P1 ", "P2 ", "P7 ", "P3 ", "P5 ", "sampler for"],
+            ["P1 ", "P2 ", "P7 ", "P3 ", "open + scan() + loader", "P5 ", "sampler for"],
         ),
         (["serialize.py", "--smoke"], ["bare copy", "zero-copy (default)", "pickle in band"]),
         (["access.py", "--smoke"], ["mmap, one by one", "get, one by one", "get_many, 256"]),

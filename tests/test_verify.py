@@ -28,7 +28,7 @@ def test_an_intact_cache_verifies(small: drt.Cache, capsys: pytest.CaptureFixtur
     report = small.verify(progress=False)
     assert report.ok, report
     assert report.samples_checked == 200
-    assert report.files_checked == small.num_shards + 3  # manifest, index, metadata v1
+    assert report.files_checked == small.num_shards + 4  # manifest, index, metadata v1, plan
     assert report.bytes_read >= small.nbytes
     report.raise_if_damaged()
     assert main(["verify", "small", "-q"]) == 0

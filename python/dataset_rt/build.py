@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dataset_rt import _native, registry
-from dataset_rt.caches import Cache
+from dataset_rt.caches import Cache, write_version_plan
 from dataset_rt.errors import (
     ArgumentError,
     CacheCorruptError,
@@ -224,6 +224,7 @@ def _build(
         bar.settle(index + 1)
         frame = collector.frame(builder.cache_id, builder.num_samples)
         frame.write_parquet(builder.metadata_path)
+        write_version_plan(builder.plan_path, frame)
         builder.finish(ser_name)
         ok = True
     finally:

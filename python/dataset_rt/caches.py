@@ -31,7 +31,7 @@ from dataset_rt.roots import PathLike, resolve_root
 from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for, loads
 from dataset_rt.verify import VerifyReport, verify
 
-__all__ = ["Cache", "list_caches", "open", "open_by_id"]
+__all__ = ["Cache", "list_caches", "open", "open_by_id", "saved_plan", "write_version_plan"]
 
 # Out-of-band records' decoders, by ``copy``: made once, not per read.
 _OOB_LOADS = {copy: functools.partial(loads, copy=copy) for copy in (False, True)}
@@ -272,10 +272,36 @@ class Cache:
         return self._metadata[1]
 
     def scan(self) -> pl.LazyFrame:
-        """The live metadata table as a LazyFrame (nothing is read until collected)."""
+        """The live metadata table as a LazyFrame (nothing is read until collected).
+
+        A shuffled loader made from this very LazyFrame, unchanged (``cache.scan().drt.
+        loader(...)``), reads nothing of the table: it maps the sampling plan saved with the
+        version, so it starts in the same time for a billion rows as for a thousand, and
+        draws exactly what a loader over :attr:`metadata` draws.
+        """
         manifest = self._live_manifest()
         version = manifest.metadata_version
-        return pl.scan_parquet(self._checked_metadata_path(version, manifest))
+        frame = pl.scan_parquet(self._checked_metadata_path(version, manifest))
+        registry.remember_version(frame, self, version)
+        return frame
+
+    def _version_plan(self, version: int) -> tuple[str, str, int] | None:
+        """The saved plan of metadata ``version`` as (path, digest, rows), if it has a sound one.
+
+        A plan that is missing, or whose size does not match its header, is passed over (the
+        loader then builds its own); one with the wrong bytes is found by :meth:`verify`.
+        """
+        digest = self._live_manifest().plan_checksums.get(version)
+        if digest is None:
+            return None
+        path = self.path / _native.plan_file(version)
+        try:
+            rows, caches, weighted = _native.plan_rows(path)
+        except (CacheCorruptError, CacheIOError):
+            return None
+        if caches != 1 or not weighted:
+            return None
+        return str(path), digest, rows
 
     def metadata_versions(self) -> pl.DataFrame:
         """Every saved metadata version: ``version``, ``rows``, ``columns``, ``saved``, ``live``.
@@ -358,6 +384,7 @@ class Cache:
                 ) from exc
             try:
                 checked.write_parquet(save.path)
+                write_version_plan(save.plan_path, checked)
             except BaseException as exc:
                 save.discard()
                 if isinstance(exc, OSError | pl.exceptions.PolarsError):
@@ -408,6 +435,33 @@ class Cache:
             f"<tr><th style='text-align:left'>metadata</th><td style='text-align:left'>"
             f"{schema}</td></tr></table></div>"
         )
+
+
+def saved_plan(frame: object) -> tuple[Cache, str, str, int] | None:
+    """The saved plan of the version ``frame`` scans, if it is an unchanged scan of one.
+
+    Returns (cache, plan path, digest, rows), or None: ``frame`` is not an unchanged
+    :meth:`Cache.scan`, or its version has no sound plan.
+    """
+    found = registry.saved_version(frame)
+    if found is None:
+        return None
+    cache, version = found
+    plan = cache._version_plan(version)
+    return None if plan is None else (cache, *plan)
+
+
+def write_version_plan(path: PathLike, frame: pl.DataFrame) -> None:
+    """Writes the loader plan of a metadata table about to be saved (none for an empty one).
+
+    It is the plan a shuffled loader over the table would write for itself, byte for byte:
+    a loader made from :meth:`Cache.scan` maps it instead.
+    """
+    if frame.height:
+        columns = frame.select(
+            pl.col("sample_id").cast(pl.Int64), pl.col("weight").cast(pl.Float64)
+        )
+        _native.write_plan(path, columns, 1, True)
 
 
 def _utc(stamp: str) -> datetime:

@@ -19,7 +19,7 @@ from typing import Any, cast
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt.caches import Cache, open_by_id
+from dataset_rt.caches import Cache, open_by_id, saved_plan
 from dataset_rt.errors import (
     ArgumentError,
     LoaderStateError,
@@ -210,14 +210,15 @@ class Loader:
                     "or use num_workers=0"
                 ) from None
 
-        data = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
-        if not isinstance(data, pl.DataFrame):
-            raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
-        caches, plan_frame = self._snapshot(data, root)
+        saved = saved_plan(frame) if self._shuffle else None
+        if saved is not None:
+            # An unchanged cache.scan(): its version's plan was written when it was saved.
+            caches, (plan, digest, self._rows) = [saved[0]], saved[1:]
+        else:
+            caches, plan, digest = self._write_plan(frame, root)
         # Held for the loader's life: each epoch's native reader shares their mappings of
         # the shards, so pages mapped in one epoch stay mapped for the next.
         self._caches = caches
-        self._rows = plan_frame.height
         self._total = num_samples if num_samples is not None else self._rows
 
         if collate is None:
@@ -228,10 +229,6 @@ class Loader:
             # The same function without the class's Python-level __call__ in between.
             decoders = tuple(functools.partial(loads, copy=d.copy) for d in decoders)  # type: ignore[attr-defined]
 
-        directory = _plan_dir()
-        self._cleanup = weakref.finalize(self, shutil.rmtree, directory, True)
-        plan = os.path.join(directory, "plan.bin")
-        digest = _native.write_plan(plan, plan_frame, len(caches), self._shuffle)
         ids_digest = hashlib.sha256("\n".join(c.cache_id for c in caches).encode()).hexdigest()
         self._fingerprint = f"{digest}-{ids_digest[:16]}"
         self._spec = LoaderSpec(
@@ -256,6 +253,24 @@ class Loader:
         self._epoch = 0
         self._cursor = 0
         self._stats = LoaderStats()
+
+    def _write_plan(
+        self, frame: pl.DataFrame | pl.LazyFrame, root: PathLike | None
+    ) -> tuple[list[Cache], str, str]:
+        """Snapshots the frame into a plan file of this loader's own.
+
+        Returns the caches, the plan's path and its digest.
+        """
+        data = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
+        if not isinstance(data, pl.DataFrame):
+            raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
+        caches, plan_frame = self._snapshot(data, root)
+        self._rows = plan_frame.height
+        directory = _plan_dir()
+        weakref.finalize(self, shutil.rmtree, directory, True)
+        plan = os.path.join(directory, "plan.bin")
+        digest = _native.write_plan(plan, plan_frame, len(caches), self._shuffle)
+        return caches, plan, digest
 
     def stats(self) -> LoaderStats:
         """A copy of the loader's running counters: samples, bytes, waits and stage times.

@@ -10,18 +10,24 @@ process-wide state (the engine's are its shard mappings and its SIGBUS guard).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from dataset_rt import _native
 from dataset_rt.errors import CacheCorruptError, CacheNotFoundError
 from dataset_rt.roots import PathLike, default_root, resolve_root
 
-__all__ = ["locate", "open_reader"]
+__all__ = ["locate", "open_reader", "remember_version", "saved_version"]
 
-_lock = threading.Lock()
+# Reentrant: a frame's weakref callback may run (and take it) during a collection that
+# happens while this thread holds it.
+_lock = threading.RLock()
 _places: dict[str, tuple[Path, str]] = {}  # cache_id -> (root, name)
 _roots: dict[Path, None] = {}  # roots seen, in order
+# id(LazyFrame) -> (a weak reference to it, the cache, the metadata version it scans)
+_versions: dict[int, tuple[weakref.ref[Any], Any, int]] = {}
 
 
 def open_reader(root: Path, name: str) -> _native.CacheReader:
@@ -83,3 +89,28 @@ def locate(cache_id: str, root: PathLike | None = None) -> tuple[_native.CacheRe
         )
     root_path, name = found
     return open_reader(root_path, name), root_path
+
+
+def remember_version(frame: Any, cache: Any, version: int) -> None:
+    """Records that the LazyFrame ``frame`` scans metadata ``version`` of ``cache`` unchanged.
+
+    LazyFrames are immutable: every operation returns a new one, so as long as this object
+    lives it means exactly that version. The entry goes with the frame.
+    """
+    key = id(frame)
+
+    def forget(_: object) -> None:
+        with _lock:
+            _versions.pop(key, None)
+
+    with _lock:
+        _versions[key] = (weakref.ref(frame, forget), cache, version)
+
+
+def saved_version(frame: Any) -> tuple[Any, int] | None:
+    """The (cache, version) that ``frame`` is an unchanged scan of, if it is one."""
+    with _lock:
+        entry = _versions.get(id(frame))
+    if entry is None or entry[0]() is not frame:
+        return None
+    return entry[1], entry[2]

@@ -74,6 +74,12 @@ impl BuildSession {
         self.dir.join(Manifest::metadata_file(FIRST_VERSION))
     }
 
+    /// Where the caller may write the first version's loader plan before
+    /// [`finish`](Self::finish) (see [`crate::plan`]).
+    pub fn plan_path(&self) -> PathBuf {
+        self.dir.join(Manifest::plan_file(FIRST_VERSION))
+    }
+
     /// Appends one serialized record; returns its sample id.
     pub fn append(&mut self, record: &[u8]) -> Result<u64> {
         self.writer.as_mut().ok_or_else(ended)?.append(record)
@@ -89,11 +95,14 @@ impl BuildSession {
             serializer,
             metadata_version: FIRST_VERSION,
         };
-        let table = self.metadata_path();
+        let (table, plan) = (self.metadata_path(), self.plan_path());
         let published = (|| {
             if table.is_file() {
                 crash_point("build-metadata-written");
                 sync_file(&table)?;
+            }
+            if plan.is_file() {
+                sync_file(&plan)?;
             }
             writer.finish(info)?;
             self.store.publish(lock, &self.dir)

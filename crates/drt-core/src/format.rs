@@ -92,6 +92,12 @@ pub struct Manifest {
     /// were recorded have none; their tables are checked only by parsing them.
     #[serde(default)]
     pub metadata_checksums: BTreeMap<u32, String>,
+    /// xxh3-64 of each metadata version's loader plan (`metadata/vNNNNN.plan`: its sample
+    /// ids and the alias table of its weights), by version: what a shuffled loader over that
+    /// version maps instead of building. Versions without one (older caches, empty tables)
+    /// have none, and their loaders build their own.
+    #[serde(default)]
+    pub plan_checksums: BTreeMap<u32, String>,
 }
 
 impl Manifest {
@@ -149,6 +155,11 @@ impl Manifest {
     /// The relative path of metadata version `version`.
     pub fn metadata_file(version: u32) -> String {
         format!("{METADATA_DIR}/v{version:05}.parquet")
+    }
+
+    /// The relative path of the loader plan of metadata version `version`.
+    pub fn plan_file(version: u32) -> String {
+        format!("{METADATA_DIR}/v{version:05}.plan")
     }
 
     fn check(&self, path: &Path) -> Result<()> {

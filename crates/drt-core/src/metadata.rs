@@ -74,6 +74,7 @@ pub struct MetadataSave {
     cache_id: String,
     version: u32,
     tmp: PathBuf,
+    plan_tmp: PathBuf,
     open: bool,
 }
 
@@ -88,7 +89,9 @@ impl MetadataSave {
         for entry in std::fs::read_dir(&dir).at(&dir)? {
             let file = entry.at(&dir)?.file_name();
             let file = file.to_string_lossy();
-            if file.starts_with(".v") && file.contains(".parquet.tmp-") {
+            if file.starts_with(".v")
+                && (file.contains(".parquet.tmp-") || file.contains(".plan.tmp-"))
+            {
                 let stale = dir.join(&*file);
                 std::fs::remove_file(&stale).at(&stale)?;
             }
@@ -98,18 +101,20 @@ impl MetadataSave {
             .iter()
             .max()
             .map_or(FIRST_VERSION, |v| v + 1);
-        let file = Manifest::metadata_file(version);
-        let file_name = Path::new(&file)
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
+        let temporary = |file: String| {
+            let file_name = Path::new(&file)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            dir.join(format!(".{file_name}.tmp-{}", std::process::id()))
+        };
         Ok(Self {
             store: store.clone(),
             name: name.to_string(),
             cache_id: cache_id.to_string(),
             version,
-            tmp,
+            tmp: temporary(Manifest::metadata_file(version)),
+            plan_tmp: temporary(Manifest::plan_file(version)),
             open: true,
         })
     }
@@ -117,6 +122,11 @@ impl MetadataSave {
     /// Where the caller writes the new table.
     pub fn path(&self) -> &Path {
         &self.tmp
+    }
+
+    /// Where the caller may write the new version's loader plan (see [`crate::plan`]).
+    pub fn plan_path(&self) -> &Path {
+        &self.plan_tmp
     }
 
     /// The version the table becomes.
@@ -142,6 +152,7 @@ impl MetadataSave {
         self.open = false;
         let dir = self.store.cache_dir(&self.name)?;
         let file = dir.join(Manifest::metadata_file(self.version));
+        let plan = dir.join(Manifest::plan_file(self.version));
         let committed = (|| {
             if !self.tmp.is_file() {
                 return Err(Error::Internal(format!(
@@ -151,6 +162,11 @@ impl MetadataSave {
             }
             crash_point("metadata-written");
             sync_file(&self.tmp)?;
+            let with_plan = self.plan_tmp.is_file();
+            if with_plan {
+                sync_file(&self.plan_tmp)?;
+                std::fs::rename(&self.plan_tmp, &plan).at(&plan)?;
+            }
             std::fs::rename(&self.tmp, &file).at(&file)?;
             sync_dir(file.parent().unwrap_or(&dir))?;
             crash_point("metadata-renamed");
@@ -161,11 +177,18 @@ impl MetadataSave {
             manifest
                 .metadata_checksums
                 .insert(self.version, checksum_hex(digest));
+            if with_plan {
+                let (_, digest) = file_checksum(&plan)?;
+                manifest
+                    .plan_checksums
+                    .insert(self.version, checksum_hex(digest));
+            }
             manifest.write(&dir)
         })();
         if committed.is_err() {
-            let _ = std::fs::remove_file(&self.tmp);
-            let _ = std::fs::remove_file(&file);
+            for path in [&self.tmp, &self.plan_tmp, &file, &plan] {
+                let _ = std::fs::remove_file(path);
+            }
         }
         committed.map(|()| self.version)
     }
@@ -173,10 +196,13 @@ impl MetadataSave {
     /// Removes the table written so far; the live version is untouched.
     pub fn discard(&mut self) -> Result<()> {
         self.open = false;
-        match std::fs::remove_file(&self.tmp) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).at(&self.tmp),
-            _ => Ok(()),
+        for path in [&self.tmp, &self.plan_tmp] {
+            match std::fs::remove_file(path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).at(path),
+                _ => {}
+            }
         }
+        Ok(())
     }
 }
 
@@ -184,6 +210,7 @@ impl Drop for MetadataSave {
     fn drop(&mut self) {
         if self.open {
             let _ = std::fs::remove_file(&self.tmp);
+            let _ = std::fs::remove_file(&self.plan_tmp);
         }
     }
 }

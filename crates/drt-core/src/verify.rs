@@ -212,6 +212,29 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(u64) -> Result<()>) -> Result
         }
         progress(report.bytes_read)?;
     }
+
+    // Loader plans: present and intact (a loader maps them instead of building its own).
+    for (version, expected) in &manifest.plan_checksums {
+        let file = Manifest::plan_file(*version);
+        report.files_checked += 1;
+        match read_entry(dir, &file, None) {
+            Err(msg) => report.problem(&file, msg),
+            Ok(bytes) => {
+                report.bytes_read += bytes.len() as u64;
+                let found = checksum_hex(xxhash_rust::xxh3::xxh3_64(&bytes));
+                if &found != expected {
+                    report.problem(
+                        &file,
+                        format!(
+                            "loader plan fails its checksum (manifest {expected}, file {found}); \
+                             delete the file, and loaders over this version build their own"
+                        ),
+                    );
+                }
+            }
+        }
+        progress(report.bytes_read)?;
+    }
     Ok(report)
 }
 

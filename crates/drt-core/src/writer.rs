@@ -238,8 +238,8 @@ impl CacheWriter {
     /// Closes the last shard, writes the index and the manifest; returns the manifest.
     ///
     /// The metadata file named by `info.metadata_version` must already be in the build
-    /// directory: the manifest is the last file written, and its presence is what makes the
-    /// directory a cache.
+    /// directory (and its loader plan, if it has one): the manifest is the last file
+    /// written, and its presence is what makes the directory a cache.
     pub fn finish(mut self, info: ManifestInfo) -> Result<Manifest> {
         self.close_shard()?;
         let metadata = self
@@ -252,6 +252,12 @@ impl CacheWriter {
             ));
         }
         let (_, metadata_digest) = crate::format::file_checksum(&metadata)?;
+        let plan = self.dir.join(Manifest::plan_file(info.metadata_version));
+        let mut plan_checksums = std::collections::BTreeMap::new();
+        if plan.is_file() {
+            let (_, plan_digest) = crate::format::file_checksum(&plan)?;
+            plan_checksums.insert(info.metadata_version, checksum_hex(plan_digest));
+        }
         let num_samples = self.index.len();
         let index_path = self.dir.join(INDEX_FILE);
         let (size, digest) = self.index.write(&index_path)?;
@@ -274,6 +280,7 @@ impl CacheWriter {
             metadata_version: info.metadata_version,
             metadata_versions: vec![info.metadata_version],
             metadata_checksums: [(info.metadata_version, checksum_hex(metadata_digest))].into(),
+            plan_checksums,
         };
         for sub in [SHARDS_DIR, METADATA_DIR] {
             crate::format::sync_dir(&self.dir.join(sub))?;

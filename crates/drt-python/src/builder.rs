@@ -53,6 +53,12 @@ impl PyCacheBuilder {
         self.session.metadata_path()
     }
 
+    /// Where the first version's loader plan may be written before `finish`.
+    #[getter]
+    fn plan_path(&self) -> PathBuf {
+        self.session.plan_path()
+    }
+
     /// Appends one serialized record; returns its sample id.
     fn append(&mut self, py: Python<'_>, record: &[u8]) -> PyResult<u64> {
         if record.len() >= DETACH_THRESHOLD {

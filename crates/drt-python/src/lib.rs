@@ -43,6 +43,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::validate_name, m)?)?;
     m.add_function(wrap_pyfunction!(store::file_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(store::metadata_file, m)?)?;
+    m.add_function(wrap_pyfunction!(store::plan_file, m)?)?;
+    m.add_function(wrap_pyfunction!(loader::plan_rows, m)?)?;
     m.add_class::<metadata::PyMetadataSave>()?;
     m.add_function(wrap_pyfunction!(metadata::checked_metadata_table, m)?)?;
     m.add_function(wrap_pyfunction!(loader::write_plan, m)?)?;

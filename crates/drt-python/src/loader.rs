@@ -50,6 +50,16 @@ pub fn write_plan(
     Ok(format!("{digest:016x}"))
 }
 
+/// The rows of the plan at `path` and whether it draws by weight, after checking that it is
+/// a plan whose size matches its header (its checksum is `verify`'s to check).
+#[pyfunction]
+pub fn plan_rows(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u32, bool)> {
+    run(py, || {
+        let plan = Plan::open(&path)?;
+        Ok((plan.rows(), plan.caches(), plan.weighted()))
+    })
+}
+
 #[pyclass(name = "Schedule", module = "dataset_rt._native", frozen)]
 pub struct PySchedule {
     inner: Schedule,

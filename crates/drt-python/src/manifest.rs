@@ -37,6 +37,8 @@ pub struct PyManifest {
     metadata_versions: Vec<u32>,
     /// xxh3-64 (hex) of each metadata version's file, where recorded.
     metadata_checksums: BTreeMap<u32, String>,
+    /// xxh3-64 (hex) of each metadata version's loader plan, where it has one.
+    plan_checksums: BTreeMap<u32, String>,
 }
 
 impl From<&Manifest> for PyManifest {
@@ -55,6 +57,7 @@ impl From<&Manifest> for PyManifest {
             metadata_version: m.metadata_version,
             metadata_versions: m.metadata_versions.clone(),
             metadata_checksums: m.metadata_checksums.clone(),
+            plan_checksums: m.plan_checksums.clone(),
         }
     }
 }

@@ -47,6 +47,12 @@ impl PyMetadataSave {
         self.save.path().to_path_buf()
     }
 
+    /// Where the new version's loader plan may be written.
+    #[getter]
+    fn plan_path(&self) -> PathBuf {
+        self.save.plan_path().to_path_buf()
+    }
+
     /// The version the table becomes.
     #[getter]
     fn version(&self) -> u32 {

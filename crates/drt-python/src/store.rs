@@ -28,6 +28,12 @@ pub fn metadata_file(version: u32) -> String {
     drt_core::format::Manifest::metadata_file(version)
 }
 
+/// The path of the loader plan of metadata version `version` within a cache's directory.
+#[pyfunction]
+pub fn plan_file(version: u32) -> String {
+    drt_core::format::Manifest::plan_file(version)
+}
+
 /// The size and xxh3-64 (16 hex digits) of a file, read without mapping it.
 #[pyfunction]
 pub fn file_checksum(py: Python<'_>, path: PathBuf) -> PyResult<(u64, String)> {

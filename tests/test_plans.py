@@ -1,0 +1,114 @@
+"""Sampling plans saved with each metadata version, mapped by loaders over ``cache.scan()``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+
+import dataset_rt as drt
+
+
+def draws(frame: pl.DataFrame | pl.LazyFrame, **options: Any) -> list[int]:
+    loader = frame.drt.loader(batch_size=16, seed=5, collate=list, **options)
+    return [int(r["x"][0]) for batch in loader for r in batch]
+
+
+def plan_of(cache: drt.Cache, version: int) -> Path:
+    return cache.path / "metadata" / f"v{version:05d}.plan"
+
+
+@pytest.fixture
+def cache() -> drt.Cache:
+    return drt.cache(
+        ({"x": np.full(4, i), "label": i % 4} for i in range(200)),
+        "planned",
+        metadata=lambda r: {"label": r["label"]},
+        progress=False,
+    )
+
+
+def test_each_saved_version_has_a_plan_that_a_scan_loader_maps(cache: drt.Cache) -> None:
+    manifest = drt._native.Store(str(cache.root)).manifest("planned")
+    assert set(manifest.plan_checksums) == {1}
+    first = plan_of(cache, 1).stat()
+    scanned = cache.scan().drt.loader(batch_size=16, seed=5, collate=list)
+    assert scanned._spec.plan == str(plan_of(cache, 1))  # mapped, not written anew
+    eager = cache.metadata.drt.loader(batch_size=16, seed=5, collate=list)
+    assert scanned.state_dict() == eager.state_dict()  # the same plan, byte for byte
+    assert draws(cache.scan()) == draws(cache.metadata)
+    assert plan_of(cache, 1).stat().st_mtime_ns == first.st_mtime_ns  # built once
+
+    # A new version has a plan of its own; loaders over the old one are unaffected.
+    cache.save_metadata(cache.metadata.with_columns(weight=pl.col("label").cast(pl.Float64) + 1))
+    assert plan_of(cache, 2).is_file()
+    assert cache.scan().drt.loader(batch_size=16)._spec.plan == str(plan_of(cache, 2))
+    assert draws(cache.scan()) == draws(cache.metadata) != draws(cache.metadata_at(1))
+    assert draws(cache.scan(), num_workers=2) == draws(cache.scan())  # workers map it too
+
+
+def test_a_changed_scan_or_an_unshuffled_loader_builds_its_own_plan(cache: drt.Cache) -> None:
+    kept = cache.scan().filter(pl.col("label") < 2)
+    loader = kept.drt.loader(batch_size=16, seed=5, collate=list)
+    assert loader._spec.plan != str(plan_of(cache, 1))
+    assert draws(kept) == draws(kept.collect())
+    ordered = cache.scan().drt.loader(batch_size=16, shuffle=False, collate=list)
+    assert [int(r["x"][0]) for b in ordered for r in b] == list(range(200))
+
+
+def test_a_damaged_plan_is_passed_over_by_loaders_and_reported_by_verify(
+    cache: drt.Cache,
+) -> None:
+    expected = draws(cache.metadata)
+    path = plan_of(cache, 1)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    path.write_bytes(bytes(data))
+    report = cache.verify(progress=False)
+    assert [p.file for p in report.problems] == ["metadata/v00001.plan"]
+    assert "delete the file" in report.problems[0].message
+    os.truncate(path, 100)  # a torn plan: its size no longer matches its header
+    assert cache.scan().drt.loader(batch_size=16)._spec.plan != str(path)
+    assert draws(cache.scan()) == expected
+    path.unlink()
+    assert draws(cache.scan()) == expected
+
+
+def test_an_empty_cache_has_no_plan() -> None:
+    empty = drt.cache([], "empty-planned", progress=False)
+    manifest = drt._native.Store(str(empty.root)).manifest("empty-planned")
+    assert manifest.plan_checksums == {}
+    assert not plan_of(empty, 1).exists()
+
+
+def _identity(record: bytes) -> bytes:
+    return record
+
+
+@pytest.mark.slow
+def test_ten_million_rows_load_from_their_saved_plan_and_from_an_edited_frame() -> None:
+    rows = 10_000_000
+    cache = drt.cache(
+        (i.to_bytes(8, "little") for i in range(rows)),
+        "ten-million",
+        serializer=_identity,
+        progress=False,
+    )
+    manifest = drt._native.Store(str(cache.root)).manifest("ten-million")
+    assert manifest.num_samples == rows and set(manifest.plan_checksums) == {1}
+
+    def first_ids(frame: pl.DataFrame | pl.LazyFrame) -> list[int]:
+        loader = frame.drt.loader(batch_size=256, seed=1, decode=bytes, collate=list)
+        return [int.from_bytes(r, "little") for r in next(iter(loader))]
+
+    scanned = first_ids(cache.scan())
+    assert scanned == first_ids(cache.metadata) and len(set(scanned)) > 250
+    even = cache.metadata.filter(pl.col("sample_id") % 2 == 0).with_columns(
+        weight=pl.col("sample_id").cast(pl.Float64) + 1.0
+    )
+    ids = first_ids(even)
+    assert all(i % 2 == 0 for i in ids) and len(ids) == 256
