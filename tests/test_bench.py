@@ -22,8 +22,9 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         ),
         (["serialize.py", "--smoke"], ["bare copy", "zero-copy (default)", "pickle in band"]),
         (["access.py", "--smoke"], ["mmap, one by one", "get, one by one", "get_many, 256"]),
+        (["startup.py", "--smoke"], ["metadata  import", "scan()    import", "anonymous"]),
     ],
-    ids=["build", "metadata", "loader", "serialize", "access"],
+    ids=["build", "metadata", "loader", "serialize", "access", "startup"],
 )
 def test_benchmark_runs_and_prints_its_table(args: list[str], expected: list[str]) -> None:
     result = subprocess.run(
