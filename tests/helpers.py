@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -33,16 +33,21 @@ def same_record(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-def python_child(code: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """Starts ``python -c code`` with the tests' helpers importable."""
+def python_child(
+    code: str,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | int = subprocess.PIPE,
+    stderr: IO[str] | int = subprocess.PIPE,
+) -> subprocess.Popen[str]:
+    """Starts ``python -c code`` with the tests' helpers importable (output to pipes)."""
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), full_env.get("PYTHONPATH", "")])
     full_env.update(env or {})
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=stdout,
+        stderr=stderr,
         text=True,
     )
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,6 +169,7 @@ batches = iter(loader)
 next(batches)
 workers = multiprocessing.active_children()
 assert workers, "no worker processes found"
+print(json.dumps({"workers": [w.pid for w in workers]}), flush=True)
 import time; time.sleep(PAUSE)  # with a pause, the worker has queued its next batch
 os.kill(workers[0].pid, signal.SIGKILL)
 try:
@@ -194,15 +197,31 @@ print(json.dumps({"message": message, "alive": alive,
 
 
 @pytest.mark.parametrize("pause", [0.0, 1.5])
-def test_a_killed_worker_is_a_clear_error_without_hang_or_leaks(pause: float) -> None:
+def test_a_killed_worker_is_a_clear_error_without_hang_or_leaks(
+    pause: float, tmp_path: Path
+) -> None:
     drt.cache(({"x": np.full(4, i)} for i in range(5000)), "workers", progress=False)
-    child = python_child(KILL_A_WORKER.replace("PAUSE", repr(pause)))
-    out, err = child.communicate(timeout=180)
-    assert child.returncode == 0, f"{out}\n{err}"
-    result = json.loads(out.strip().splitlines()[-1])
+    # Output goes to files, and the test waits for the process, not for the end of its
+    # pipes: a worker or fork server left behind would hold a pipe open and hide what
+    # happened behind a timeout. What is left behind is checked by pid instead.
+    out_path, err_path = tmp_path / "out", tmp_path / "err"
+    with out_path.open("w") as out_file, err_path.open("w") as err_file:
+        child = python_child(
+            KILL_A_WORKER.replace("PAUSE", repr(pause)), stdout=out_file, stderr=err_file
+        )
+        returncode = child.wait(timeout=180)
+    out, err = out_path.read_text(), err_path.read_text()
+    assert returncode == 0, f"{out}\n{err}"
+    lines = [json.loads(line) for line in out.strip().splitlines() if line.startswith("{")]
+    workers, result = lines[0]["workers"], lines[-1]
     assert "worker" in result["message"] and "exited unexpectedly" in result["message"]
     assert result["alive"] == []  # the other worker was shut down too
     assert result["threads"] <= 0, result
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in workers):
+        time.sleep(0.05)
+    left = [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    assert not left, f"worker processes {left} outlived the loader's process"
 
 
 SAVE_FROM_ANOTHER_PROCESS = """
@@ -227,3 +246,35 @@ def test_a_loader_keeps_its_snapshot_while_another_process_saves_metadata() -> N
     assert seen == list(range(400))  # the running epoch is unaffected
     fresh = drt.open("running").metadata.drt.loader(batch_size=20, shuffle=False, collate=list)
     assert [int(r["x"][0]) for batch in fresh for r in batch] == list(range(10))
+
+
+ORPHANED = """
+import json, multiprocessing, time
+import dataset_rt as drt
+
+loader = drt.open("orphans").metadata.drt.loader(batch_size=8, num_workers=2, prefetch=1)
+batches = iter(loader)
+next(batches)
+print(json.dumps([p.pid for p in multiprocessing.active_children()]), flush=True)
+time.sleep(120)
+"""
+
+
+def test_workers_end_when_the_loader_process_is_killed(tmp_path: Path) -> None:
+    # A fork server's workers have it as their parent, and it lives as long as they do: they
+    # must watch the loader's process itself, or a killed training job leaves them behind.
+    drt.cache(({"x": np.full(4, i)} for i in range(2000)), "orphans", progress=False)
+    child = python_child(ORPHANED)
+    assert child.stdout is not None
+    workers = json.loads(child.stdout.readline())
+    assert len(workers) == 2
+    child.kill()
+    child.wait(timeout=60)
+    for pipe in (child.stdout, child.stderr):
+        if pipe is not None:
+            pipe.close()  # not read to their end: what the child left behind may hold them
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in workers):
+        time.sleep(0.05)
+    left = [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    assert not left, f"worker processes {left} outlived their loader's killed process"

@@ -33,9 +33,11 @@ import multiprocessing.popen_spawn_posix
 import multiprocessing.spawn
 import os
 import pickle
+import select
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -121,13 +123,45 @@ def _keep(batch: Any) -> Any:
     return batch
 
 
+_watching: set[int] = set()
+
+
+def _exit_with(pid: int) -> None:
+    """Ends this worker process when the loader's process ``pid`` ends, however it ends.
+
+    PyTorch's workers watch their parent process; a fork server's workers have the fork
+    server as their parent, and it outlives a loader's process that is killed (the OOM
+    killer, a preempted job) for as long as any worker lives: without this watch, workers
+    and fork server would wait for work that never comes, forever.
+    """
+    if pid in _watching:
+        return
+    _watching.add(pid)
+
+    def watch() -> None:
+        try:
+            handle = os.pidfd_open(pid)
+        except OSError:  # the process is gone already, or the kernel predates pidfds
+            handle = -1
+        if handle >= 0:
+            select.select([handle], [], [])  # readable once the process has ended
+        else:
+            while Path(f"/proc/{pid}").exists():
+                time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dataset_rt: exit with the loader", daemon=True).start()
+
+
 class _WorkerStream(tud.IterableDataset[Any]):
     def __init__(self, packed: bytes, schedule: _native.Schedule, epoch: int) -> None:
         self.packed = packed
         self.schedule = schedule
         self.epoch = epoch
+        self.loader_pid = os.getpid()
 
     def __iter__(self) -> Iterator[Any]:
+        _exit_with(self.loader_pid)
         # Loaded here rather than when the process starts, so that a function that cannot be
         # loaded in the worker is an exception the DataLoader re-raises in the main process.
         spec: LoaderSpec = pickle.loads(self.packed)
