@@ -60,22 +60,32 @@ def test_a_changed_scan_or_an_unshuffled_loader_builds_its_own_plan(cache: drt.C
     assert [int(r["x"][0]) for b in ordered for r in b] == list(range(200))
 
 
-def test_a_damaged_plan_is_passed_over_by_loaders_and_reported_by_verify(
-    cache: drt.Cache,
-) -> None:
+def test_a_damaged_or_lost_plan_is_passed_over_and_put_back(cache: drt.Cache) -> None:
     expected = draws(cache.metadata)
-    path = plan_of(cache, 1)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
-    path.write_bytes(bytes(data))
+    path, saved = plan_of(cache, 1), plan_of(cache, 1).read_bytes()
+
+    def maps_saved_plan(**options: Any) -> bool:
+        loader = cache.scan().drt.loader(batch_size=16, **options)
+        return bool(loader._spec.plan == str(path))
+
+    damaged = bytearray(saved)
+    damaged[len(damaged) // 2] ^= 0xFF  # same size: only the checksum can tell
+    path.write_bytes(bytes(damaged))
     report = cache.verify(progress=False)
     assert [p.file for p in report.problems] == ["metadata/v00001.plan"]
     assert "delete the file" in report.problems[0].message
-    os.truncate(path, 100)  # a torn plan: its size no longer matches its header
-    assert cache.scan().drt.loader(batch_size=16)._spec.plan != str(path)
+    assert maps_saved_plan()  # unchecked, as records are unless verify=True
+    assert not maps_saved_plan(verify=True)  # checked: passed over, and put back
+    assert path.read_bytes() == saved and cache.verify(progress=False).ok
+
+    os.truncate(path, 100)  # torn: its size no longer matches its header
     assert draws(cache.scan()) == expected
+    assert path.read_bytes() == saved and maps_saved_plan()
     path.unlink()
     assert draws(cache.scan()) == expected
+    assert path.read_bytes() == saved and maps_saved_plan()
+    leftovers = [p.name for p in path.parent.iterdir() if ".tmp-" in p.name]
+    assert leftovers == []
 
 
 def test_an_empty_cache_has_no_plan() -> None:

@@ -8,6 +8,7 @@ import operator
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,7 +32,15 @@ from dataset_rt.roots import PathLike, resolve_root
 from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for, loads
 from dataset_rt.verify import VerifyReport, verify
 
-__all__ = ["Cache", "list_caches", "open", "open_by_id", "saved_plan", "write_version_plan"]
+__all__ = [
+    "Cache",
+    "list_caches",
+    "open",
+    "open_by_id",
+    "restore_saved_plan",
+    "saved_plan",
+    "write_version_plan",
+]
 
 # Out-of-band records' decoders, by ``copy``: made once, not per read.
 _OOB_LOADS = {copy: functools.partial(loads, copy=copy) for copy in (False, True)}
@@ -285,11 +294,12 @@ class Cache:
         registry.remember_version(frame, self, version)
         return frame
 
-    def _version_plan(self, version: int) -> tuple[str, str, int] | None:
+    def _version_plan(self, version: int, verify: bool) -> tuple[str, str, int] | None:
         """The saved plan of metadata ``version`` as (path, digest, rows), if it has a sound one.
 
         A plan that is missing, or whose size does not match its header, is passed over (the
-        loader then builds its own); one with the wrong bytes is found by :meth:`verify`.
+        loader then builds its own, and puts it back); so is one whose bytes fail their
+        checksum, which is read only with ``verify`` (as records' are), and by :meth:`verify`.
         """
         digest = self._live_manifest().plan_checksums.get(version)
         if digest is None:
@@ -297,11 +307,31 @@ class Cache:
         path = self.path / _native.plan_file(version)
         try:
             rows, caches, weighted = _native.plan_rows(path)
+            if verify and _native.file_checksum(path)[1] != digest:
+                return None
         except (CacheCorruptError, CacheIOError):
             return None
         if caches != 1 or not weighted:
             return None
         return str(path), digest, rows
+
+    def _restore_plan(self, version: int, source: str) -> None:
+        """Puts back the saved plan of ``version`` from ``source`` if it is the one saved.
+
+        ``source`` is a loader's own plan of the same rows; its checksum says whether it is
+        byte for byte the plan that was saved.
+        """
+        store = _native.Store(str(self._root))
+        try:
+            with store.lock(self.name) as lock:
+                store.restore_plan(lock, self.cache_id, version, source)
+        except DatasetRTError as exc:  # the loader has its own plan: nothing is lost
+            warnings.warn(
+                f"could not put back the sampling plan of metadata version {version} of cache "
+                f"{self.name!r}: {exc}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def metadata_versions(self) -> pl.DataFrame:
         """Every saved metadata version: ``version``, ``rows``, ``columns``, ``saved``, ``live``.
@@ -437,18 +467,31 @@ class Cache:
         )
 
 
-def saved_plan(frame: object) -> tuple[Cache, str, str, int] | None:
+def saved_plan(frame: object, verify: bool = False) -> tuple[Cache, str, str, int] | None:
     """The saved plan of the version ``frame`` scans, if it is an unchanged scan of one.
 
     Returns (cache, plan path, digest, rows), or None: ``frame`` is not an unchanged
-    :meth:`Cache.scan`, or its version has no sound plan.
+    :meth:`Cache.scan`, or its version has no sound plan (checked against its checksum with
+    ``verify``).
     """
     found = registry.saved_version(frame)
     if found is None:
         return None
     cache, version = found
-    plan = cache._version_plan(version)
+    plan = cache._version_plan(version, verify)
     return None if plan is None else (cache, *plan)
+
+
+def restore_saved_plan(frame: object, plan: str) -> None:
+    """Puts back the saved plan of the version ``frame`` scans, from a loader's own ``plan``.
+
+    Only for an unchanged :meth:`Cache.scan` whose version lost its plan (or had it damaged),
+    and only if ``plan`` is byte for byte the one that was saved.
+    """
+    found = registry.saved_version(frame)
+    if found is not None:
+        cache, version = found
+        cache._restore_plan(version, plan)
 
 
 def write_version_plan(path: PathLike, frame: pl.DataFrame) -> None:

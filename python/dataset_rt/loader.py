@@ -19,7 +19,7 @@ from typing import Any, cast
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt.caches import Cache, open_by_id, saved_plan
+from dataset_rt.caches import Cache, open_by_id, restore_saved_plan, saved_plan
 from dataset_rt.errors import (
     ArgumentError,
     LoaderStateError,
@@ -210,12 +210,14 @@ class Loader:
                     "or use num_workers=0"
                 ) from None
 
-        saved = saved_plan(frame) if self._shuffle else None
+        saved = saved_plan(frame, bool(verify)) if self._shuffle else None
         if saved is not None:
             # An unchanged cache.scan(): its version's plan was written when it was saved.
             caches, (plan, digest, self._rows) = [saved[0]], saved[1:]
         else:
             caches, plan, digest = self._write_plan(frame, root)
+            if self._shuffle:
+                restore_saved_plan(frame, plan)  # a scan whose saved plan was lost or damaged
         # Held for the loader's life: each epoch's native reader shares their mappings of
         # the shards, so pages mapped in one epoch stay mapped for the next.
         self._caches = caches

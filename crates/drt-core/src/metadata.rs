@@ -101,20 +101,14 @@ impl MetadataSave {
             .iter()
             .max()
             .map_or(FIRST_VERSION, |v| v + 1);
-        let temporary = |file: String| {
-            let file_name = Path::new(&file)
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            dir.join(format!(".{file_name}.tmp-{}", std::process::id()))
-        };
+        let cache_dir = store.cache_dir(name)?;
         Ok(Self {
             store: store.clone(),
             name: name.to_string(),
             cache_id: cache_id.to_string(),
             version,
-            tmp: temporary(Manifest::metadata_file(version)),
-            plan_tmp: temporary(Manifest::plan_file(version)),
+            tmp: temporary(&cache_dir, &Manifest::metadata_file(version)),
+            plan_tmp: temporary(&cache_dir, &Manifest::plan_file(version)),
             open: true,
         })
     }
@@ -213,6 +207,53 @@ impl Drop for MetadataSave {
             let _ = std::fs::remove_file(&self.plan_tmp);
         }
     }
+}
+
+/// Puts back the saved loader plan of metadata `version` of cache `lock.name()` (still the
+/// build `cache_id`) from `source`, a plan built anew from that version's table: copied in
+/// next to it, flushed, and renamed over whatever is there, but only if its checksum is the
+/// one the manifest recorded, which proves it is the plan that was saved. Returns whether it
+/// was put back (false: the version records no plan, or `source` is another one).
+pub fn restore_plan(
+    store: &Store,
+    lock: &BuildLock,
+    cache_id: &str,
+    version: u32,
+    source: &Path,
+) -> Result<bool> {
+    let manifest = current(store, lock.name(), cache_id)?;
+    let Some(expected) = manifest.plan_checksums.get(&version) else {
+        return Ok(false);
+    };
+    let (_, digest) = file_checksum(source)?;
+    if &checksum_hex(digest) != expected {
+        return Ok(false);
+    }
+    let dir = store.cache_dir(lock.name())?;
+    let target = dir.join(Manifest::plan_file(version));
+    let tmp = temporary(&dir, &Manifest::plan_file(version));
+    let restored = (|| {
+        std::fs::copy(source, &tmp).at(&tmp)?;
+        sync_file(&tmp)?;
+        std::fs::rename(&tmp, &target).at(&target)?;
+        sync_dir(target.parent().unwrap_or(&dir))
+    })();
+    if restored.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    restored.map(|()| true)
+}
+
+/// Where this process writes `file` (a path relative to cache directory `dir`) before
+/// renaming it into place: beside it, hidden, named after it and this process. Only the
+/// holder of the cache's lock writes these, so any found while holding it are leftovers.
+fn temporary(dir: &Path, file: &str) -> PathBuf {
+    let path = dir.join(file);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }
 
 /// The manifest of cache `name`, which must still be the build `cache_id`.

@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 use drt_core::build::BuildSession;
-use drt_core::metadata::{checked_table, MetadataSave};
+use drt_core::metadata::{checked_table, restore_plan, MetadataSave};
 use drt_core::store::Store;
 use drt_core::writer::WriteOptions;
 use drt_core::Error;
@@ -66,4 +66,42 @@ fn a_save_of_a_rebuilt_cache_is_refused_before_anything_is_written() {
     let lock = store.lock("rebuilt", || Ok(())).unwrap().0;
     let err = MetadataSave::begin(&store, &lock, &old).err().unwrap();
     assert!(matches!(err, Error::Rebuilt { .. }), "{err}");
+}
+
+#[test]
+fn a_lost_plan_is_put_back_only_from_a_copy_with_its_recorded_checksum() {
+    let root = tempfile::tempdir().unwrap();
+    let store = Store::new(root.path());
+    let lock = store.lock("planned", || Ok(())).unwrap().0;
+    let mut session = BuildSession::begin(&store, &lock, WriteOptions::default()).unwrap();
+    session.append(b"record").unwrap();
+    std::fs::write(session.metadata_path(), b"table").unwrap();
+    std::fs::write(session.plan_path(), b"the plan").unwrap();
+    let id = session.cache_id().to_string();
+    session.finish(&lock, "pickle".into()).unwrap();
+    let plan = store
+        .cache_dir("planned")
+        .unwrap()
+        .join("metadata/v00001.plan");
+    assert_eq!(std::fs::read(&plan).unwrap(), b"the plan");
+    std::fs::remove_file(&plan).unwrap();
+
+    let other = root.path().join("other");
+    std::fs::write(&other, b"another plan").unwrap();
+    assert!(!restore_plan(&store, &lock, &id, 1, &other).unwrap());
+    assert!(!plan.exists());
+    let same = root.path().join("same");
+    std::fs::write(&same, b"the plan").unwrap();
+    assert!(
+        !restore_plan(&store, &lock, &id, 2, &same).unwrap(),
+        "no such version"
+    );
+    assert!(restore_plan(&store, &lock, &id, 1, &same).unwrap());
+    assert_eq!(std::fs::read(&plan).unwrap(), b"the plan");
+    let leftovers: Vec<_> = std::fs::read_dir(plan.parent().unwrap())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+        .collect();
+    assert!(leftovers.is_empty());
 }

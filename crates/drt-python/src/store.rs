@@ -147,6 +147,23 @@ impl PyStore {
         Ok(PyMetadataSave::new(save, lock))
     }
 
+    /// Puts back the saved loader plan of metadata `version` from `source` if `source` has
+    /// the checksum the manifest recorded for it; returns whether it did.
+    fn restore_plan(
+        &self,
+        py: Python<'_>,
+        lock: Py<PyBuildLock>,
+        cache_id: &str,
+        version: u32,
+        source: PathBuf,
+    ) -> PyResult<bool> {
+        run(py, || {
+            lock.get().with(|held| {
+                drt_core::metadata::restore_plan(&self.inner, held, cache_id, version, &source)
+            })
+        })
+    }
+
     fn begin_build(
         &self,
         py: Python<'_>,
