@@ -204,10 +204,10 @@ def test_loader_arrays_view_the_mapped_shard_and_outlive_loader_and_cache() -> N
 
 
 def test_records_with_large_arrays_of_any_size_are_read_in_place_by_get_and_loaders() -> None:
-    # Odd sizes: without the writer's 64-byte rule for such records, most would start at an
-    # address the arrays cannot be viewed at and be copied instead.
+    # Odd sizes in a cache aligned to 16 bytes: without the writer's 64-byte rule for such
+    # records, most would start at an address the arrays cannot be viewed at, and be copied.
     records = [{"x": np.full(9_000 + 7 * i, i, dtype=np.float64)} for i in range(12)]
-    cache = drt.cache(records, "odd-sizes", progress=False)
+    cache = drt.cache(records, "odd-sizes", alignment=16, progress=False)
     shard = str(cache.path / "shards" / "00000.bin")
     got = [cache.get(i)["x"] for i in range(12)] + [r["x"] for r in cache.get_many([11, 3, 3])]
     loader = cache.metadata.drt.loader(batch_size=12, shuffle=False, collate=list)

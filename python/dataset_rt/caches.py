@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import html
 import operator
 import os
@@ -29,7 +28,7 @@ from dataset_rt.errors import (
 from dataset_rt.metadata import checked_edit
 from dataset_rt.progress import format_bytes
 from dataset_rt.roots import PathLike, resolve_root
-from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for, loads
+from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for
 from dataset_rt.verify import VerifyReport, verify
 
 __all__ = [
@@ -41,9 +40,6 @@ __all__ = [
     "saved_plan",
     "write_version_plan",
 ]
-
-# Out-of-band records' decoders, by ``copy``: made once, not per read.
-_OOB_LOADS = {copy: functools.partial(loads, copy=copy) for copy in (False, True)}
 
 
 class Cache:
@@ -161,19 +157,18 @@ class Cache:
             aligned copy of the record, which they keep alive.
         """
         # The common call, get(i), costs a few hundred nanoseconds on top of the decoding.
-        decoder = self._decode if decode is None and not copy else self._decoder(decode, copy)
+        decoder = self._decode
+        if decode is not None or copy or decoder is None:
+            decoder = self._decoder(decode, copy)
         sid = sample_id if type(sample_id) is int and sample_id >= 0 else _as_sample_id(sample_id)
         if not isinstance(decoder, PickleDecoder):
-            decoder = self._decoder(decode, copy)  # raises if the cache has no decoder
             return self._decode_one(decoder, sid, self.get_bytes(sid, verify=verify))
         try:
-            return self._reader.get(sid, verify, pickle.loads, _OOB_LOADS[decoder.copy])
+            return self._reader.get(sid, verify, pickle.loads, decoder.function)
         except DatasetRTError:
             raise
         except Exception as exc:
-            raise SerializationError(
-                f"decoding sample_id {sid} of cache {self.name!r} failed: {exc!r}"
-            ) from exc
+            raise self._decode_error(sid, exc) from exc
 
     def get_many(
         self,
@@ -209,7 +204,7 @@ class Cache:
                 _as_sample_id(i)  # names the id that is negative or not an int
             raise
         try:
-            records = batch.decode(pickle.loads, _OOB_LOADS[decoder.copy])
+            records = batch.decode(pickle.loads, decoder.function)
         except Exception:  # decode again one by one, to name the record that fails
             views = batch.views()
             records = [self._decode_one(decoder, i, v) for i, v in zip(ids, views, strict=True)]
@@ -235,9 +230,12 @@ class Cache:
         try:
             return decoder(data)  # type: ignore[arg-type]  # PickleDecoder takes views too
         except Exception as exc:
-            raise SerializationError(
-                f"decoding sample_id {sample_id} of cache {self.name!r} failed: {exc!r}"
-            ) from exc
+            raise self._decode_error(sample_id, exc) from exc
+
+    def _decode_error(self, sample_id: int, exc: Exception) -> SerializationError:
+        return SerializationError(
+            f"decoding sample_id {sample_id} of cache {self.name!r} failed: {exc!r}"
+        )
 
     # -- metadata ---------------------------------------------------------------------------
     def _live_manifest(self) -> _native.Manifest:

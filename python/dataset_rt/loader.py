@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import inspect
 import os
@@ -29,7 +28,7 @@ from dataset_rt.errors import (
 from dataset_rt.metadata import check_weights
 from dataset_rt.pipeline import Collate, LoaderSpec, Transform, assemble
 from dataset_rt.roots import PathLike
-from dataset_rt.serialize import Decoder, PickleDecoder, loads
+from dataset_rt.serialize import Decoder, PickleDecoder
 
 __all__ = ["Loader", "LoaderStats", "loader_signature"]
 
@@ -229,7 +228,7 @@ class Loader:
         views = all(isinstance(d, PickleDecoder) for d in decoders)
         if views:
             # The same function without the class's Python-level __call__ in between.
-            decoders = tuple(functools.partial(loads, copy=d.copy) for d in decoders)  # type: ignore[attr-defined]
+            decoders = tuple(d.function for d in decoders)  # type: ignore[attr-defined]
 
         ids_digest = hashlib.sha256("\n".join(c.cache_id for c in caches).encode()).hexdigest()
         self._fingerprint = f"{digest}-{ids_digest[:16]}"

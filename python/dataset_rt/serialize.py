@@ -158,6 +158,10 @@ def loads(data: bytes | memoryview, *, copy: bool = False) -> Any:
     return pickle.loads(view[start : start + length], buffers=buffers)
 
 
+_LOADS = {copy: functools.partial(loads, copy=copy) for copy in (False, True)}
+""":func:`loads` with each value of ``copy``, made once."""
+
+
 class PickleDecoder:
     """The decoder of caches written with ``serializer="pickle"``: :func:`loads`.
 
@@ -171,6 +175,14 @@ class PickleDecoder:
     def __call__(self, data: bytes | memoryview) -> Any:
         """Decodes one record with :func:`loads`."""
         return loads(data, copy=self.copy)
+
+    @property
+    def function(self) -> Callable[[bytes | memoryview], Any]:
+        """The same decoding as a plain function, without this class's ``__call__``.
+
+        Native loops over many records call it.
+        """
+        return _LOADS[self.copy]
 
     def __repr__(self) -> str:
         return f"PickleDecoder(copy={self.copy})"

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::faults::crash_point;
-use crate::format::{new_cache_id, Manifest};
-use crate::metadata::{sync_file, FIRST_VERSION};
+use crate::format::{new_cache_id, sync_file, Manifest};
+use crate::metadata::FIRST_VERSION;
 use crate::store::{BuildLock, Store};
 use crate::write_behind::WriteBehind;
 use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};

@@ -333,6 +333,11 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir).at(dir)?.sync_all().at(dir)
 }
 
+/// Flushes a file's contents to disk.
+pub fn sync_file(path: &Path) -> Result<()> {
+    std::fs::File::open(path).at(path)?.sync_all().at(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, IoContext, Result};
 use crate::faults::crash_point;
-use crate::format::{checksum_hex, file_checksum, sync_dir, Manifest, METADATA_DIR};
+use crate::format::{checksum_hex, file_checksum, sync_dir, sync_file, Manifest, METADATA_DIR};
 use crate::store::{BuildLock, Store};
 
 /// The version a freshly built cache's table has.
@@ -55,13 +55,6 @@ pub fn checked_table(dir: &Path, version: u32, expected: Option<&str>) -> Result
     Ok(path)
 }
 
-/// Flushes a file's contents to disk.
-pub(crate) fn sync_file(path: &Path) -> Result<()> {
-    std::fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .at(path)
-}
-
 /// Saving a new metadata version of a published cache, under its build lock.
 ///
 /// `begin` checks the cache is still the build the caller edited and picks the next
@@ -85,7 +78,8 @@ impl MetadataSave {
     pub fn begin(store: &Store, lock: &BuildLock, cache_id: &str) -> Result<Self> {
         let name = lock.name();
         let manifest = current(store, name, cache_id)?;
-        let dir = store.cache_dir(name)?.join(METADATA_DIR);
+        let cache_dir = store.cache_dir(name)?;
+        let dir = cache_dir.join(METADATA_DIR);
         for entry in std::fs::read_dir(&dir).at(&dir)? {
             let file = entry.at(&dir)?.file_name();
             let file = file.to_string_lossy();
@@ -101,7 +95,6 @@ impl MetadataSave {
             .iter()
             .max()
             .map_or(FIRST_VERSION, |v| v + 1);
-        let cache_dir = store.cache_dir(name)?;
         Ok(Self {
             store: store.clone(),
             name: name.to_string(),

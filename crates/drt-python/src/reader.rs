@@ -94,7 +94,8 @@ impl PyCacheReader {
             // reads as zeros, never faults, if the file shrinks meanwhile (checked below).
             unsafe { call_on_transient_view(plain, span.bytes()) }
         } else {
-            let batch = Batch::of_records(&self.inner, &[sample_id], verify, None)
+            // An aligned copy for its arrays to view; its bytes were verified above.
+            let batch = Batch::of_records(&self.inner, &[sample_id], false, None)
                 .map_err(|e| to_py(py, e))?;
             let batch = Bound::new(py, PyBatch::from(batch))?;
             oob.call1((PyBatch::views(batch)?.get_item(0)?,))
