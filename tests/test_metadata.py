@@ -92,6 +92,29 @@ def test_scan_follows_the_live_version(digits: drt.Cache) -> None:
     assert digits.scan().select(pl.len()).collect().item() == 10
 
 
+def test_queries_over_a_scan_match_the_table(digits: drt.Cache, tmp_path: Path) -> None:
+    table, scan = digits.metadata, digits.scan()
+    assert scan.collect_schema() == table.schema
+    threes = pl.col("label") == 3
+    picked = scan.filter(threes).select("sample_id", "caption")
+    assert picked.collect().equals(table.filter(threes).select("sample_id", "caption"))
+    assert picked.collect(engine="streaming").equals(picked.collect())
+    assert scan.head(7).collect().equals(table.head(7))
+    counts = scan.group_by("label").len().sort("label").collect()
+    assert counts.equals(table.group_by("label").len().sort("label"))
+    joined = scan.join(scan.select("sample_id", w2=pl.col("weight") * 2), on="sample_id")
+    assert joined.collect()["w2"].sum() == 2 * table["weight"].sum()
+    scan.sink_parquet(tmp_path / "copy.parquet")
+    assert pl.read_parquet(tmp_path / "copy.parquet").equals(table)
+    # Two caches' scans concatenate, as their tables do.
+    other = drt.cache([record(i) for i in range(5)], "other-cache", progress=False)
+    both = pl.concat([scan.select("cache_id", "sample_id"), other.scan().select(*_IDS)])
+    assert both.collect().height == 105
+
+
+_IDS = ("cache_id", "sample_id")
+
+
 @pytest.mark.parametrize(
     ("edit", "error", "message"),
     [

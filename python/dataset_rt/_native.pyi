@@ -24,6 +24,7 @@ __all__ = [
     "checked_metadata_table",
     "file_checksum",
     "metadata_file",
+    "metadata_table_file",
     "plan_file",
     "plan_rows",
     "validate_name",
@@ -44,6 +45,7 @@ def plan_rows(path: str | PathLike[str]) -> tuple[int, int, bool]: ...
 def checked_metadata_table(
     cache_dir: str | PathLike[str], version: int, expected: str | None = None
 ) -> Path: ...
+def metadata_table_file(cache_dir: str | PathLike[str], version: int) -> Path: ...
 def write_plan(
     path: str | PathLike[str], frame: object, num_caches: int, weighted: bool
 ) -> str: ...

@@ -25,7 +25,7 @@ from dataset_rt.errors import (
     SerializationError,
     StaleCacheError,
 )
-from dataset_rt.metadata import checked_edit
+from dataset_rt.metadata import checked_edit, checked_scan
 from dataset_rt.progress import format_bytes
 from dataset_rt.roots import PathLike, resolve_root
 from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for
@@ -285,10 +285,17 @@ class Cache:
         loader(...)``), reads nothing of the table: it maps the sampling plan saved with the
         version, so it starts in the same time for a billion rows as for a thousand, and
         draws exactly what a loader over :attr:`metadata` draws.
+
+        The table is checked against its checksum before a query first reads it: with
+        Polars 2 when that query runs (a damaged table raises :class:`CacheCorruptError`
+        from ``collect``), with older Polars here.
         """
         manifest = self._live_manifest()
         version = manifest.metadata_version
-        frame = pl.scan_parquet(self._checked_metadata_path(version, manifest))
+        frame = checked_scan(
+            _native.metadata_table_file(self.path, version),
+            lambda: self._checked_metadata_path(version, manifest),
+        )
         registry.remember_version(frame, self, version)
         return frame
 

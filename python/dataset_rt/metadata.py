@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import polars as pl
 
 from dataset_rt.errors import MetadataError, WeightError
 
-__all__ = ["RESERVED_COLUMNS", "MetadataCollector"]
+__all__ = ["RESERVED_COLUMNS", "MetadataCollector", "checked_scan"]
 
 RESERVED_COLUMNS = ("cache_id", "sample_id")
 """Columns dataset_rt fills in itself; ``metadata()`` may not return them."""
@@ -258,3 +260,51 @@ def check_weights(weight: pl.Series, ids: pl.Series, *, allow_empty: bool = Fals
     if not math.isfinite(total):
         raise WeightError(f"weights sum to {total}; the sum must be finite")
     return weight
+
+
+# Polars 2 runs Python scan sources in every engine; Polars 1.25's streaming engine cannot.
+_DEFERRED = int(pl.__version__.split(".")[0]) >= 2
+
+
+def checked_scan(path: Path, check: Callable[[], object]) -> pl.LazyFrame:
+    """A LazyFrame over the Parquet table at ``path`` that calls ``check()`` before reading it.
+
+    ``check`` (which raises if the table is damaged: it hashes the whole file) runs once per
+    LazyFrame, when a query first reads the table, so making the scan costs the same for a
+    billion rows as for a thousand, and a query that never reads it (a loader mapping the
+    version's saved plan) never pays for it. Queries get Polars' own Parquet scan, with the
+    projection, the predicate and the row limit pushed into it. Where Polars cannot run a
+    Python scan source in its streaming engine (before Polars 2), ``check`` runs at once.
+    """
+    if not _DEFERRED:
+        check()
+        return pl.scan_parquet(path)
+    lock, checked = threading.Lock(), list[bool]()
+
+    def source(
+        with_columns: list[str] | None,
+        predicate: pl.Expr | None,
+        n_rows: int | None,
+        batch_size: int | None,
+    ) -> Iterator[pl.DataFrame]:
+        with lock:
+            if not checked:
+                check()
+                checked.append(True)
+        frame = pl.scan_parquet(path)
+        if with_columns is not None:
+            frame = frame.select(with_columns)
+        if predicate is not None:
+            frame = frame.filter(predicate)
+        if n_rows is not None:
+            frame = frame.head(n_rows)
+        yield from frame.collect_batches(chunk_size=batch_size)
+
+    from polars.io.plugins import register_io_source
+
+    # The footer alone gives the schema; the table's bytes are checked before any is read.
+    return register_io_source(
+        source,
+        schema=lambda: pl.Schema(pl.read_parquet_schema(path)),
+        is_pure=True,
+    )

@@ -36,23 +36,27 @@ pub fn check_digest(expected: Option<&str>, digest: u64) -> std::result::Result<
 /// would otherwise parse as a wrong weight). Hashing runs at memory speed, a small cost
 /// next to the parse.
 pub fn checked_table(dir: &Path, version: u32, expected: Option<&str>) -> Result<PathBuf> {
-    let path = dir.join(Manifest::metadata_file(version));
-    match std::fs::symlink_metadata(&path) {
-        Ok(meta) if meta.file_type().is_symlink() => {
-            return Err(Error::corrupt(
-                &path,
-                "is a symbolic link; cache files must be regular",
-            ))
-        }
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::corrupt(&path, "the metadata table is missing"))
-        }
-        Err(e) => return Err(e).at(&path),
-    }
+    let path = table_file(dir, version)?;
     let (_, digest) = file_checksum(&path)?;
     check_digest(expected, digest).map_err(|msg| Error::corrupt(&path, msg))?;
     Ok(path)
+}
+
+/// The file of metadata version `version` in cache directory `dir` if it is there as a
+/// regular file: what can be said of it without reading it (see [`checked_table`]).
+pub fn table_file(dir: &Path, version: u32) -> Result<PathBuf> {
+    let path = dir.join(Manifest::metadata_file(version));
+    match std::fs::symlink_metadata(&path) {
+        Ok(meta) if meta.file_type().is_symlink() => Err(Error::corrupt(
+            &path,
+            "is a symbolic link; cache files must be regular",
+        )),
+        Ok(_) => Ok(path),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(Error::corrupt(&path, "the metadata table is missing"))
+        }
+        Err(e) => Err(e).at(&path),
+    }
 }
 
 /// Saving a new metadata version of a published cache, under its build lock.

@@ -47,6 +47,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loader::plan_rows, m)?)?;
     m.add_class::<metadata::PyMetadataSave>()?;
     m.add_function(wrap_pyfunction!(metadata::checked_metadata_table, m)?)?;
+    m.add_function(wrap_pyfunction!(metadata::metadata_table_file, m)?)?;
     m.add_function(wrap_pyfunction!(loader::write_plan, m)?)?;
     Ok(())
 }

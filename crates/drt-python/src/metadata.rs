@@ -24,6 +24,13 @@ pub fn checked_metadata_table(
     })
 }
 
+/// The file of metadata version `version` in cache directory `cache_dir` if it is there as
+/// a regular file; its contents are not read (`checked_metadata_table` checks them).
+#[pyfunction]
+pub fn metadata_table_file(py: Python<'_>, cache_dir: PathBuf, version: u32) -> PyResult<PathBuf> {
+    run(py, || drt_core::metadata::table_file(&cache_dir, version))
+}
+
 /// A new metadata version being saved under its cache's build lock: write the table to
 /// `path`, then `commit()` (or `discard()`).
 #[pyclass(name = "MetadataSave", module = "dataset_rt._native")]
