@@ -37,6 +37,50 @@ def test_list_generator_and_callable_sources_round_trip() -> None:
             assert c.get_bytes(i) == pickle.dumps(records[i], protocol=5)
 
 
+class _Squares:
+    """A map-style dataset as PyTorch users write them: no __iter__, and indices past the
+    end wrap around instead of raising IndexError (so Python's fallback iteration would
+    never stop)."""
+
+    def __init__(self, n: int, fail_at: int = -1) -> None:
+        self.n, self.fail_at = n, fail_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index == self.fail_at:
+            raise ValueError("bad file")
+        return {"i": index % self.n, "sq": np.full(3, (index % self.n) ** 2)}
+
+
+def test_a_map_style_dataset_is_read_at_every_index_once() -> None:
+    torch_data = pytest.importorskip("torch.utils.data")
+
+    class TorchSquares(torch_data.Dataset):  # type: ignore[misc, name-defined]
+        def __len__(self) -> int:
+            return 40
+
+        def __getitem__(self, index: int) -> dict[str, Any]:
+            return _Squares(40)[index]
+
+    for source, name in ((TorchSquares(), "torch-map"), (lambda: _Squares(40), "callable-map")):
+        c = drt.cache(source, name, metadata=lambda r: {"i": r["i"]}, progress=False)
+        assert len(c) == 40
+        assert c.metadata["i"].to_list() == list(range(40))
+        assert [c.get(i)["i"] for i in range(40)] == list(range(40))
+        assert int(c.get(39)["sq"][0]) == 39**2
+
+
+def test_a_failing_map_style_record_names_its_index() -> None:
+    with pytest.raises(ValueError, match="bad file") as caught:
+        drt.cache(_Squares(20, fail_at=13), "map-fails", progress=False)
+    if hasattr(caught.value, "__notes__"):  # Python 3.11+
+        assert "while reading record 13 of the source" in caught.value.__notes__[0]
+    with pytest.raises(drt.errors.CacheNotFoundError):
+        drt.open("map-fails")
+
+
 def test_same_name_is_reused_without_touching_the_source(tmp_path: Path) -> None:
     calls = []
 
@@ -266,7 +310,7 @@ def test_invalid_names(name: str) -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ArgumentError, match="serializer must be"):
         drt.cache([1], "x", serializer="json", progress=False)  # type: ignore[arg-type]
-    with pytest.raises(ArgumentError, match="source must be an iterable"):
+    with pytest.raises(ArgumentError, match=r"source must be an iterable of records, a map-style"):
         drt.cache(42, "x", progress=False)  # type: ignore[arg-type]
     with pytest.raises(ArgumentError, match="alignment"):
         drt.cache([1], "x", alignment=3, progress=False)

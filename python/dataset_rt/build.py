@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from dataset_rt import _native, registry
 from dataset_rt.caches import Cache, write_version_plan
@@ -18,15 +18,24 @@ from dataset_rt.errors import (
 from dataset_rt.metadata import MetadataCollector
 from dataset_rt.progress import BuildProgress
 from dataset_rt.roots import PathLike, resolve_root
-from dataset_rt.serialize import ALIGN, Decoder, SerializerSpec, as_bytes, resolve_serializer
+from dataset_rt.serialize import Decoder, SerializerSpec, as_bytes, resolve_serializer
 
 __all__ = ["cache"]
 
 DEFAULT_SHARD_SIZE = 256 << 20
 DEFAULT_ALIGNMENT = 16
 
-Source = Iterable[Any] | Callable[[], Iterable[Any]]
-"""An iterable of records, or a zero-argument callable returning one."""
+
+class MapStyle(Protocol):
+    """A map-style dataset: a length and records by index (a PyTorch ``Dataset``, say)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
+Source = Iterable[Any] | MapStyle | Callable[[], Iterable[Any] | MapStyle]
+"""An iterable of records, a map-style dataset (``__len__`` and ``__getitem__``, read at
+indices ``0`` to ``len - 1``), or a zero-argument callable returning either."""
 
 
 def _try_open(root: Path, name: str, decode: Decoder | None) -> Cache | None:
@@ -64,8 +73,10 @@ def cache(
     Parameters
     ----------
     source
-        An iterable of records (a list, a generator, a ``torch.utils.data.Dataset`` with
-        ``__iter__``), or a zero-argument callable returning one.
+        An iterable of records (a list, a generator, an iterable-style PyTorch dataset), a
+        map-style dataset (``__len__`` and ``__getitem__``, such as most
+        ``torch.utils.data.Dataset`` classes: records ``source[0]`` to
+        ``source[len(source) - 1]``), or a zero-argument callable returning either.
     name
         The cache's name: letters, digits and ``. _ + = @ -``; it becomes a directory
         under ``root``.
@@ -90,9 +101,9 @@ def cache(
     shard_size
         Upper bound on the size of a payload shard file, in bytes.
     alignment
-        Every record starts at a multiple of this many bytes in its shard. By default 64
-        for the default serializer (its out-of-band arrays are then read in place, aligned
-        as written) and 16 otherwise.
+        Every record starts at a multiple of this many bytes in its shard; default 16.
+        Records whose arrays are stored out of band (by the default serializer) start at
+        multiples of 64 whatever this says, so that their arrays are read in place.
 
     Returns
     -------
@@ -118,8 +129,10 @@ def cache(
         raise ArgumentError(f"shard_size must be at least 1024 bytes, got {shard_size}")
     ser_name, dumps = resolve_serializer(serializer)
     if alignment is None:
-        # Out-of-band arrays are then viewed in the mapped shard aligned as written.
-        alignment = ALIGN if ser_name == "pickle" else DEFAULT_ALIGNMENT
+        # Records with out-of-band arrays start at multiples of 64 whatever this says (the
+        # writer's rule), so that the arrays are viewed in place; the others gain nothing
+        # from more than 16.
+        alignment = DEFAULT_ALIGNMENT
     if alignment < 1 or alignment & (alignment - 1) or alignment > 4096:
         raise ArgumentError(f"alignment must be a power of two up to 4096, got {alignment}")
     root_path = resolve_root(root)
@@ -166,19 +179,54 @@ def _try_open_or_explain(root: Path, name: str, decode: Decoder | None) -> Cache
         raise type(exc)(f"{exc}; pass overwrite=True to rebuild cache {name!r}") from exc
 
 
+class _ByIndex:
+    """The records of a map-style dataset, ``source[0]`` to ``source[len - 1]`` in order.
+
+    Most PyTorch ``Dataset`` classes are such: ``__len__`` and ``__getitem__``, no
+    ``__iter__``. Python's fallback iteration would call ``__getitem__`` until an
+    IndexError, which many datasets never raise (they wrap around, or fail otherwise).
+    """
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __iter__(self) -> Iterator[Any]:
+        source = self.source
+        for index in range(len(source)):
+            try:
+                record = source[index]
+            except Exception as exc:
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"while reading record {index} of the source ({source!r:.80})")
+                raise
+            yield record
+
+
+def _indexable(source: object) -> bool:
+    kind = type(source)
+    return hasattr(kind, "__len__") and hasattr(kind, "__getitem__")
+
+
 def _records(source: Source) -> Iterable[Any]:
     if isinstance(source, Iterable):
         return source
+    if _indexable(source):
+        return _ByIndex(source)
     if callable(source):
         produced = source()
+        if _indexable(produced) and not isinstance(produced, Iterable):
+            return _ByIndex(produced)
         if not isinstance(produced, Iterable):
             raise ArgumentError(
                 f"source() returned {type(produced).__name__}, which is not iterable"
             )
         return produced
     raise ArgumentError(
-        f"source must be an iterable of records or a callable returning one, "
-        f"not {type(source).__name__}"
+        f"source must be an iterable of records, a map-style dataset (__len__ and "
+        f"__getitem__) or a callable returning one, not {type(source).__name__}"
     )
 
 
