@@ -14,20 +14,34 @@ NumPy image. What each class does follows its project's documentation:
 - ``mosaicml-streaming``: ``MDSWriter`` with an ``ndarray`` column, ``StreamingDataset``
   random access.
 - ``lance``: ``lance.write_dataset`` with a fixed-size-list image column, batched ``take``.
+- ``dataset-rt-0.4.8``: the original DatasetRT (PyPI ``dataset-rt``,
+  github.com/Red-Eyed/DatasetRT), a different project with the same import name, so it runs
+  in a virtual environment of its own (``bench/peer-env.sh``; ``System.python``). As its
+  quickstart does: a ``CacheSource`` yielding ``CacheInput(pickle.dumps(record, protocol=5),
+  {"label": ...})``, written by ``DatasetRuntime.write_cache`` with the default
+  ``WriterConfig`` (serial, uncompressed: its default, 64 MiB shards); read by its own
+  weighted sampler and ``to_torch_dataloader``.
 
 The peers' loaders stream (LitData, MosaicML: chunk-shuffled iteration; Lance: scans); none
 draws weighted samples with replacement. For the weighted random reads every peer is read
-through its random-access API behind a map-style ``Dataset``, with the same draws.
+through its random-access API behind a map-style ``Dataset``, with the same draws. The
+exceptions are the two with a weighted sampler of their own, dataset_rt and
+dataset-rt-0.4.8: they read through it, from the same distribution (with replacement,
+classes equally likely), and their own DataLoader integration does the "2 workers" pass.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import importlib
 import importlib.util
 import mmap
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +124,11 @@ class System(abc.ABC):
     @classmethod
     def installed(cls) -> bool:
         return importlib.util.find_spec(cls.module) is not None
+
+    @classmethod
+    def python(cls) -> str:
+        """The interpreter the runner's child processes for this system run with."""
+        return sys.executable
 
     @abc.abstractmethod
     def build(self, wl: Workload, path: Path) -> None:
@@ -454,7 +473,193 @@ class Lance(System):
         return next(iter(self.read(handle, draws)))
 
 
+# -- the original DatasetRT, in a virtual environment of its own ----------------------------
+PEER_VERSION = "0.4.8"
+PEER_PYTHON_ENV = "DATASET_RT_PEER_PYTHON"
+"""The variable naming the peer's interpreter; unset: ``peer_venv() / "bin" / "python"``."""
+
+
+def peer_venv() -> Path:
+    """Where ``bench/peer-env.sh`` creates the peer's virtual environment by default."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / f"drt-peer-{PEER_VERSION}"
+
+
+def foreign_env() -> dict[str, str]:
+    """The environment of a process running another interpreter: no ``PYTHONPATH``, which
+    could put this checkout's ``dataset_rt`` ahead of the one installed there."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+@functools.cache
+def _imports_peer(python: str) -> bool:
+    """Whether ``python`` imports a ``dataset_rt`` with ``DatasetRuntime``, at PEER_VERSION.
+
+    Asked in a subprocess: the runner's own process never imports that package.
+    """
+    check = (
+        "import importlib.metadata, sys, dataset_rt; "
+        "ok = hasattr(dataset_rt, 'DatasetRuntime') "
+        f"and importlib.metadata.version('dataset-rt') == {PEER_VERSION!r}; "
+        "sys.exit(0 if ok else 1)"
+    )
+    if not Path(python).is_file():
+        return False
+    try:
+        done = subprocess.run(
+            [python, "-c", check],
+            capture_output=True,
+            timeout=120,
+            env=foreign_env(),
+            cwd=Path(__file__).parent,  # the children's sys.path[0]
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def _peer() -> Any:
+    """The peer's ``dataset_rt``: imported by name, in its own interpreter only (its API is not
+    ours, so it is typed as Any)."""
+    return importlib.import_module("dataset_rt")
+
+
+def _unpickle(sample: Any) -> Any:
+    """The peer's ``sample_transform_fn``: its payloads are pickled records."""
+    return pickle.loads(sample.data)
+
+
+class _PeerSource:
+    """A ``CacheSource`` of the workload: a ``name`` and ``CacheInput`` values."""
+
+    name = "bench"
+
+    def __init__(self, wl: Workload) -> None:
+        self.wl = wl
+
+    def __iter__(self) -> Iterator[Any]:
+        peer = _peer()
+        for i in range(self.wl.records):
+            record = self.wl.record(i)
+            yield peer.CacheInput(
+                data=pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL),
+                metadata={"label": record["label"]},
+            )
+
+
+class DatasetRTPeer(System):
+    """The original DatasetRT (PyPI ``dataset-rt`` 0.4.8), used the way its README shows.
+
+    - build: ``DatasetRuntime(num_workers=N).write_cache(source, path, writer_config=
+      WriterConfig(show_progress=False))``, every other writer setting at its default:
+      ``num_processes=0`` (written in the calling process; its processes parallelize across
+      sources, and the workload is one source), ``shard_compression`` ``"none"`` (its only
+      other choice is per-record LZ4), 64 MiB shards. Payloads are the records pickled with
+      protocol 5 (it stores bytes, serialization is the caller's); ``label`` is a metadata
+      column.
+    - reads: its weighted sampler, ``update_metadata`` with ``weight = 1 / class size`` then
+      iteration (``ReaderConfig(shuffle=True)``: multinomial draws with replacement, Rust
+      reader threads prefetching); the same distribution as everyone's draws, not the same
+      indices. Random access by index is ``CachedDataset.get_item(cache_id, sample_id)``,
+      one sample a call (no batched form): that is ``get_many``.
+    - 2 workers: its ``to_torch_dataloader`` (spawned workers, default collate), the
+      counterpart of dataset_rt's own loader.
+    - N, its Rust worker threads: min(4, cores), 4 being its README's and its loader's cap.
+    """
+
+    name = f"dataset-rt-{PEER_VERSION}"
+    module = "dataset_rt"
+    filter_how = "Polars filter of its metadata table, update_metadata with weights, iterate"
+
+    @classmethod
+    def python(cls) -> str:
+        return os.environ.get(PEER_PYTHON_ENV) or str(peer_venv() / "bin" / "python")
+
+    @classmethod
+    def installed(cls) -> bool:
+        return _imports_peer(cls.python())
+
+    @staticmethod
+    def _runtime() -> Any:
+        peer = _peer()
+        return peer.DatasetRuntime(num_workers=min(4, len(os.sched_getaffinity(0))))
+
+    def build(self, wl: Workload, path: Path) -> None:
+        peer = _peer()
+        results = self._runtime().write_cache(
+            _PeerSource(wl), path, writer_config=peer.WriterConfig(show_progress=False)
+        )
+        failed = [r for r in results if not isinstance(r, peer.CacheWriteSuccess)]
+        if failed:
+            raise RuntimeError(f"write_cache failed: {failed}")
+
+    def open(self, path: Path) -> Any:
+        peer = _peer()
+        reader = peer.ReaderConfig(seed=1, shuffle=True)
+        return self._runtime().cached_dataset([path / _PeerSource.name], reader_config=reader)
+
+    @staticmethod
+    def _balanced(metadata: Any) -> Any:
+        import polars as pl
+
+        return metadata.with_columns(weight=1.0 / pl.len().over("label"))
+
+    def get_many(self, handle: Any, indices: np.ndarray) -> list[dict[str, Any]]:
+        # One cache, written in index order: sample_id is the index.
+        cache_id = int(handle.get_metadata()["cache_id"][0])
+        return [pickle.loads(handle.get_item(cache_id, i).data) for i in indices.tolist()]
+
+    def labels(self, handle: Any) -> np.ndarray:
+        return handle.get_metadata()["label"].to_numpy()  # type: ignore[no-any-return]
+
+    def _batches(self, handle: Any, count: int) -> Iterator[list[Any]]:
+        handle.set_epoch_len(count)
+        batch = []
+        for sample in handle:
+            batch.append(pickle.loads(sample.data))
+            if len(batch) == BATCH:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def read(self, handle: Any, draws: np.ndarray) -> Iterator[list[Any]]:
+        # Its own weighted sampler draws from the same distribution as ``draws``.
+        handle.update_metadata(self._balanced(handle.get_metadata()))
+        return self._batches(handle, len(draws))
+
+    def loader(self, path: Path, draws: np.ndarray, workers: int) -> Any:
+        handle = self.open(path)
+        handle.update_metadata(self._balanced(handle.get_metadata()))
+        return handle.to_torch_dataloader(
+            batch_size=BATCH,
+            seed=1,
+            samples_per_epoch=len(draws),
+            num_workers=workers,
+            sample_transform_fn=_unpickle,
+            verbose=False,
+        )
+
+    def refilter(self, handle: Any, count: int) -> Any:
+        import polars as pl
+
+        metadata = handle.get_metadata().filter(pl.col("label").is_in(list(CLASSES)))
+        handle.update_metadata(self._balanced(metadata))
+        return next(self._batches(handle, count))
+
+
 SYSTEMS: dict[str, type[System]] = {
-    s.name: s for s in (DatasetRT, MmapOffsets, InRamList, HFDatasets, LitData, Mosaic, Lance)
+    s.name: s
+    for s in (
+        DatasetRT,
+        MmapOffsets,
+        InRamList,
+        HFDatasets,
+        LitData,
+        Mosaic,
+        Lance,
+        DatasetRTPeer,
+    )
 }
 BASELINE = "mmap"

@@ -1,16 +1,23 @@
 """dataset_rt against the peers users would pick instead: one table per workload.
 
     python bench/run.py                  # workloads small and large, every installed system
-    python bench/run.py --scale          # adds 10M tiny records (start-up, metadata, memory)
+    python bench/run.py --scale          # adds the scale workload: 1M, 10M, 100M rows
     python bench/run.py --smoke          # tiny sizes, one round: checks that it runs
     python bench/run.py --systems dataset_rt,mmap --workloads small --rounds 5
 
-The peers come with ``pip install -e ".[bench]"``; systems that are not installed are
-skipped (and named). Workloads, each the same records for every system (bench/peers.py):
+The peers come with ``pip install -e ".[bench]"``, except the original DatasetRT
+(``dataset-rt-0.4.8``), which shares our import name and runs in a virtual environment of its
+own: ``bench/peer-env.sh`` creates it, ``$DATASET_RT_PEER_PYTHON`` names another. Systems that
+are not installed are skipped (and named). Workloads, each the same records for every system
+(bench/peers.py):
 
     small  200,000 records: a uint8 (3, 32, 32) image, a skewed int label, a short caption
     large  5,000 records with a 256 KiB uint8 image
-    tiny   10,000,000 records with an 8-byte image (--scale)
+    tiny   10,000,000 records with an 8-byte image (--workloads tiny: long, every peer
+           builds them)
+    scale  (--scale, bench/scale.py) dataset_rt and the baseline only, at 1M, 10M and 100M
+           rows of 8-byte records: start-up, open + first batch, a pass, 2 workers, memory
+           per row, a new loader after filter + re-weight
 
 For each system, in fresh processes so that one system's memory never counts for another:
 
@@ -45,17 +52,17 @@ import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
-from peers import BASELINE, BATCH, SYSTEMS, System, Workload  # noqa: E402
+import scale  # noqa: E402
+from measuring import MemorySampler, median_spread, runs  # noqa: E402
+from peers import BASELINE, BATCH, SYSTEMS, System, Workload, foreign_env  # noqa: E402
 
 WORKLOADS = {
     "small": {"records": 200_000, "shape": (3, 32, 32), "draws": 50_000},
@@ -70,95 +77,6 @@ SMOKE = {
 
 
 # -- measuring, in child processes ---------------------------------------------------------
-def median_spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "spread": max(values) - min(values)}
-
-
-def runs(fn: Callable[[], float], rounds: int) -> dict[str, float]:
-    fn()  # warm-up, excluded: page cache, allocator, worker code paths
-    return median_spread([fn() for _ in range(rounds)])
-
-
-def _smaps(pid: int) -> tuple[int, int, int]:
-    """RSS, PSS and anonymous (private heap) memory of a process in bytes.
-
-    Pages of mapped data files count in RSS and PSS (shared page cache, split by PSS between
-    the processes that map them); anonymous memory is what the process holds on its own.
-    """
-    fields = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-        key, value = line.split(":", 1)
-        fields[key] = int(value.split()[0]) * 1024
-    return fields["Rss"], fields["Pss"], fields["Anonymous"]
-
-
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            kids.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    return kids
-
-
-class MemorySampler(threading.Thread):
-    """Peak RSS and PSS of this process, of each worker and of all processes together.
-
-    Multiprocessing's helpers (its resource tracker, the fork server that workers are
-    forked from) count in the total only; every other descendant is a worker. Each pass
-    starts new workers, so the two largest are the peak of the two running at a time.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peaks: dict[int, tuple[int, int, int]] = {}
-        self.total = 0
-        self._stop = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop.wait(0.2):
-            self.sample()
-
-    def sample(self) -> None:
-        kids = _children()
-        found, frontier = [], [os.getpid()]
-        while frontier:
-            below = kids.get(frontier.pop(), [])
-            found += below
-            frontier += below
-        total = 0
-        me = os.getpid()
-        for pid in [me, *found]:
-            try:
-                rss, pss, anon = _smaps(pid)
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except (OSError, KeyError):
-                continue
-            total += pss
-            helper = b"resource_tracker" in cmdline or (
-                b"forkserver" in cmdline and pid in kids.get(me, [])
-            )
-            if not helper:
-                old = self.peaks.get(pid, (0, 0, 0))
-                self.peaks[pid] = (max(old[0], rss), max(old[1], pss), max(old[2], anon))
-        self.total = max(self.total, total)
-
-    def take(self) -> dict[str, Any]:
-        """The peaks since the last call."""
-        self.sample()
-        peaks, self.peaks = self.peaks, {}
-        total, self.total = self.total, 0
-        parent = peaks.pop(os.getpid(), (0, 0, 0))
-        workers = sorted(peaks.values(), key=lambda p: p[1], reverse=True)[:2]
-        return {"parent": parent, "workers": workers, "total_pss": total}
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 def _batch_len(batch: Any) -> int:
     if isinstance(batch, dict):
         return len(batch["label"])
@@ -263,8 +181,11 @@ def probe_main(args: argparse.Namespace) -> None:
 
 # -- orchestrating --------------------------------------------------------------------------
 def child(args: argparse.Namespace, kind: str, system: str, workload: str, path: Path) -> Any:
+    # Each system's own interpreter: the original DatasetRT lives in a virtual environment of
+    # its own (its import name is ours), and gets no PYTHONPATH that could point at ours.
+    python = SYSTEMS[system].python()
     cmd = [
-        sys.executable,
+        python,
         __file__,
         "--probe",
         kind,
@@ -281,7 +202,8 @@ def child(args: argparse.Namespace, kind: str, system: str, workload: str, path:
     ]
     if args.smoke:
         cmd.append("--smoke")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    env = None if python == sys.executable else foreign_env()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith('{"probe"'):
             return json.loads(line)["probe"]
@@ -412,7 +334,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workloads", default="small,large")
-    parser.add_argument("--scale", action="store_true", help="add the 10M tiny records")
+    parser.add_argument("--scale", action="store_true", help="add the scale workload")
+    scale.add_arguments(parser)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cap", type=float, default=2.0, help="seconds per read pass")
@@ -430,7 +353,7 @@ def main() -> None:
         return
     if args.smoke:
         args.rounds, args.cap = 1, 0.5
-    workloads = args.workloads.split(",") + (["tiny"] if args.scale else [])
+    workloads = args.workloads.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS]
     wanted = args.systems.split(",")
     unknown += [s for s in wanted if s not in SYSTEMS]
@@ -448,6 +371,9 @@ def main() -> None:
         f"systems: {', '.join(systems)}"
         + (f"; not installed: {', '.join(missing)}" if missing else "")
     )
+    for s in systems:
+        if SYSTEMS[s].python() != sys.executable:
+            print(f"{s} runs in {SYSTEMS[s].python()}")
     print(
         f"median of {args.rounds} rounds after a warm-up, ± spread (max - min); (ratio to "
         f"{BASELINE}); read passes capped at {args.cap} s; warm page cache unless 'cold'"
@@ -456,6 +382,8 @@ def main() -> None:
     try:
         for name in workloads:
             report["workloads"][name] = run_workload(args, name, systems)
+        if args.scale:
+            report["workloads"]["scale"] = scale.run(args)
     finally:
         if owned:
             shutil.rmtree(args.root, ignore_errors=True)

@@ -50,3 +50,39 @@ def test_smoke_run_measures_every_installed_system(tmp_path: Path) -> None:
     assert "(1.00x)" in done.stdout
     # Built data is removed as soon as a system is measured.
     assert not any(p.is_file() for p in (tmp_path / "data").rglob("*") if p.suffix != ".npy")
+
+
+def test_scale_workload_measures_both_systems_at_each_size(tmp_path: Path) -> None:
+    report_path = tmp_path / "scale.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "scale.py"),
+            "--sizes",
+            "3000,6000",
+            "--rounds",
+            "1",
+            "--root",
+            str(tmp_path / "data"),
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert set(report) == {"3000", "6000"}
+    for size, results in report.items():
+        assert set(results) == {"dataset_rt", "mmap"}, size
+        for name, r in results.items():
+            assert r["build"]["bytes"] > 0
+            for figure in ("read", "workers", "filter", "startup_total", "startup_open"):
+                assert r[figure]["median"] > 0, (size, name, figure)
+            assert r["startup_import"]["median"] < r["startup_total"]["median"]
+            assert len(r["memory_workers"]["workers"]) == 2, (size, name)
+        assert f"{int(size):,} rows" in done.stdout
+    assert "| dataset_rt | " in done.stdout and "| mmap | " in done.stdout
+    assert not any(p.is_file() for p in (tmp_path / "data").rglob("*") if p.suffix != ".npy")

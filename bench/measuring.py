@@ -1,0 +1,99 @@
+"""What bench/run.py and bench/scale.py measure with: medians, memory of a process tree."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def median_spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "spread": max(values) - min(values)}
+
+
+def runs(fn: Callable[[], float], rounds: int) -> dict[str, float]:
+    fn()  # warm-up, excluded: page cache, allocator, worker code paths
+    return median_spread([fn() for _ in range(rounds)])
+
+
+def _smaps(pid: int) -> tuple[int, int, int]:
+    """RSS, PSS and anonymous (private heap) memory of a process in bytes.
+
+    Pages of mapped data files count in RSS and PSS (shared page cache, split by PSS between
+    the processes that map them); anonymous memory is what the process holds on its own.
+    """
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        fields[key] = int(value.split()[0]) * 1024
+    return fields["Rss"], fields["Pss"], fields["Anonymous"]
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            kids.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    return kids
+
+
+class MemorySampler(threading.Thread):
+    """Peak RSS and PSS of this process, of each worker and of all processes together.
+
+    Multiprocessing's helpers (its resource tracker, the fork server that workers are
+    forked from) count in the total only; every other descendant is a worker. Each pass
+    starts new workers, so the two largest are the peak of the two running at a time.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peaks: dict[int, tuple[int, int, int]] = {}
+        self.total = 0
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.sample()
+
+    def sample(self) -> None:
+        kids = _children()
+        found, frontier = [], [os.getpid()]
+        while frontier:
+            below = kids.get(frontier.pop(), [])
+            found += below
+            frontier += below
+        total = 0
+        me = os.getpid()
+        for pid in [me, *found]:
+            try:
+                rss, pss, anon = _smaps(pid)
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except (OSError, KeyError):
+                continue
+            total += pss
+            helper = b"resource_tracker" in cmdline or (
+                b"forkserver" in cmdline and pid in kids.get(me, [])
+            )
+            if not helper:
+                old = self.peaks.get(pid, (0, 0, 0))
+                self.peaks[pid] = (max(old[0], rss), max(old[1], pss), max(old[2], anon))
+        self.total = max(self.total, total)
+
+    def take(self) -> dict[str, Any]:
+        """The peaks since the last call."""
+        self.sample()
+        peaks, self.peaks = self.peaks, {}
+        total, self.total = self.total, 0
+        parent = peaks.pop(os.getpid(), (0, 0, 0))
+        workers = sorted(peaks.values(), key=lambda p: p[1], reverse=True)[:2]
+        return {"parent": parent, "workers": workers, "total_pss": total}
+
+    def stop(self) -> None:
+        self._stop.set()
