@@ -6,7 +6,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -298,13 +298,13 @@ def checked_scan(path: Path, check: Callable[[], object]) -> pl.LazyFrame:
             frame = frame.filter(predicate)
         if n_rows is not None:
             frame = frame.head(n_rows)
-        yield from frame.collect_batches(chunk_size=batch_size)
+        # Typed through Any: the type checker may see Polars 1, which lacks these.
+        yield from cast(Any, frame).collect_batches(chunk_size=batch_size)
 
     from polars.io.plugins import register_io_source
 
     # The footer alone gives the schema; the table's bytes are checked before any is read.
+    pure: dict[str, Any] = {"is_pure": True}
     return register_io_source(
-        source,
-        schema=lambda: pl.Schema(pl.read_parquet_schema(path)),
-        is_pure=True,
+        source, schema=lambda: pl.Schema(pl.read_parquet_schema(path)), **pure
     )
