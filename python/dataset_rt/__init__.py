@@ -20,7 +20,7 @@ check_polars_version()
 
 from dataset_rt import errors, namespace  # noqa: E402
 from dataset_rt._native import __version__  # noqa: E402
-from dataset_rt.build import cache  # noqa: E402
+from dataset_rt.build import append, cache  # noqa: E402
 from dataset_rt.caches import Cache, list_caches, open  # noqa: E402
 from dataset_rt.loader import Loader  # noqa: E402
 from dataset_rt.roots import default_root  # noqa: E402
@@ -32,6 +32,7 @@ __all__ = [
     "Problem",
     "VerifyReport",
     "__version__",
+    "append",
     "cache",
     "default_root",
     "errors",

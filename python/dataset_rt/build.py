@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import polars as pl
+
 from dataset_rt import _native, registry
 from dataset_rt.caches import Cache, write_version_plan
 from dataset_rt.errors import (
@@ -20,7 +22,7 @@ from dataset_rt.progress import BuildProgress
 from dataset_rt.roots import PathLike, resolve_root
 from dataset_rt.serialize import Decoder, SerializerSpec, as_bytes, resolve_serializer
 
-__all__ = ["cache"]
+__all__ = ["append", "cache"]
 
 DEFAULT_SHARD_SIZE = 256 << 20
 DEFAULT_ALIGNMENT = 16
@@ -164,6 +166,122 @@ def cache(
     return Cache(registry.open_reader(root_path, name), root_path, decode)
 
 
+def append(
+    name: str,
+    source: Source,
+    *,
+    root: PathLike | None = None,
+    metadata: Callable[[Any], Mapping[str, Any]] | None = None,
+    progress: bool = True,
+) -> Cache:
+    """Adds the records of ``source`` to cache ``name``; returns the grown cache.
+
+    The new records get the next sample ids (``len(cache)`` onwards) and are written as a
+    new *part* of the cache, with the cache's serializer; no existing byte is rewritten.
+    Their rows join the live metadata table in a new metadata version: existing rows keep
+    their values and weights, new rows get ``metadata(record)`` (columns one side lacks are
+    null on the other) and weight 1 unless ``metadata`` returns a ``weight``. Everything
+    appears in one atomic step: frames, scans and loaders made before it keep reading what
+    they were made from, and an append that fails or is killed leaves the cache as it was.
+    Appends and metadata saves of one cache, from any process, take turns.
+
+    Parameters
+    ----------
+    name
+        The cache to grow; it must exist under ``root``.
+    source
+        The records, as :func:`cache` takes them: an iterable, a map-style dataset, or a
+        zero-argument callable returning either.
+    root
+        The directory holding the cache; default ``$DATASET_RT_HOME`` or
+        ``~/.cache/dataset_rt``.
+    metadata
+        ``metadata(record) -> dict`` of primitive attributes for the new rows, as for
+        :func:`cache`.
+    progress
+        Show a progress line while writing.
+
+    Returns
+    -------
+    Cache
+        The cache, opened anew: its length counts the new records.
+
+    Raises
+    ------
+    CacheNotFoundError
+        No cache of that name exists under the root.
+    ArgumentError
+        The cache was written with a custom serializer function, which its manifest names
+        but cannot hand back.
+    SerializationError, MetadataError
+        A record could not be serialized, or its metadata stored; the message names its
+        position in ``source``. Nothing is appended.
+    """
+    if not isinstance(name, str):
+        raise ArgumentError(f"name must be a str, not {type(name).__name__}")
+    _native.validate_name(name)
+    root_path = resolve_root(root)
+    store = _native.Store(str(root_path))
+    with store.lock(name) as lock:
+        cache = Cache(registry.open_reader(root_path, name), root_path)
+        if cache.serializer.startswith("custom:"):
+            raise ArgumentError(
+                f"cache {name!r} was written with a custom serializer "
+                f"({cache.serializer.removeprefix('custom:')}); append supports the named "
+                "serializers (pickle, pickle-inband, dill) only: rebuild it with drt.cache"
+            )
+        ser_name, dumps = resolve_serializer(cache.serializer)  # type: ignore[arg-type]
+        live = cache.metadata
+        records = _records(source)
+        session = store.begin_append(lock, cache.cache_id, DEFAULT_SHARD_SIZE)
+        collector = MetadataCollector()
+        bar = BuildProgress(
+            name, nbytes=lambda: session.nbytes, enabled=progress, total=_length(records)
+        )
+        ok = False
+        try:
+            count = _write_records(
+                records, session.append, dumps, ser_name, metadata, collector, bar
+            )
+            bar.settle(count)
+            if count:
+                added = collector.frame(cache.cache_id, count).with_columns(
+                    pl.col("sample_id") + session.first
+                )
+                table = _appended_table(live, added, name)
+                table.write_parquet(session.metadata_path)
+                write_version_plan(session.plan_path, table)
+                session.commit()
+            ok = True
+        finally:
+            if not ok or not count:  # nothing to commit: the empty part goes
+                session.abort()
+            bar.close(ok=ok)
+    return Cache(registry.open_reader(root_path, name), root_path)
+
+
+def _appended_table(live: pl.DataFrame, added: pl.DataFrame, name: str) -> pl.DataFrame:
+    """The live table with the appended rows below it; ``weight`` stays the last column.
+
+    A column both sides have keeps its type, or widens to hold both where both are numeric.
+    """
+    clash = [
+        f"{c!r} ({live.schema[c]} in the cache, {added.schema[c]} appended)"
+        for c in added.columns
+        if c in live.schema
+        and live.schema[c] != added.schema[c]
+        and pl.Null not in (live.schema[c], added.schema[c])
+        and not (live.schema[c].is_numeric() and added.schema[c].is_numeric())
+    ]
+    if clash:
+        raise MetadataError(
+            f"the appended records' metadata does not fit cache {name!r}'s table: column "
+            f"{', '.join(clash)}; a column keeps one type"
+        )
+    table = pl.concat([live, added], how="diagonal_relaxed")
+    return table.select(pl.exclude("weight"), "weight")
+
+
 def published_cache_id(store: _native.Store, name: str) -> str | None:
     """The cache_id currently published under ``name``, or None if it is unreadable."""
     try:
@@ -230,6 +348,45 @@ def _records(source: Source) -> Iterable[Any]:
     )
 
 
+def _length(records: Iterable[Any]) -> int | None:
+    return len(records) if hasattr(records, "__len__") else None  # type: ignore[arg-type]
+
+
+def _write_records(
+    records: Iterable[Any],
+    append: Callable[[bytes], int],
+    dumps: Callable[[Any], Any],
+    ser_name: str,
+    metadata: Callable[[Any], Mapping[str, Any]] | None,
+    collector: MetadataCollector,
+    bar: BuildProgress,
+) -> int:
+    """Serializes each record and hands its bytes to ``append``; returns the count.
+
+    Metadata goes to ``collector``; errors name the record by its position in ``records``.
+    """
+    add_metadata = collector.add
+    index = -1
+    for index, record in enumerate(records):
+        try:
+            data = dumps(record)
+        except Exception as exc:
+            raise SerializationError(
+                f"record {index} could not be serialized with {ser_name}: {exc}"
+            ) from exc
+        if type(data) is not bytes:
+            data = as_bytes(data, index, ser_name)
+        append(data)
+        if metadata is not None:
+            try:
+                values = metadata(record)
+            except Exception as exc:
+                raise MetadataError(f"metadata() raised on record {index}: {exc!r}") from exc
+            add_metadata(index, values)
+        bar.update(index + 1)
+    return index + 1
+
+
 def _build(
     store: _native.Store,
     lock: _native.BuildLock,
@@ -243,33 +400,15 @@ def _build(
     alignment: int,
 ) -> None:
     records = _records(source)
-    total = len(records) if hasattr(records, "__len__") else None  # type: ignore[arg-type]
     builder = store.begin_build(lock, shard_size, alignment)
     collector = MetadataCollector()
-    bar = BuildProgress(name, nbytes=lambda: builder.nbytes, enabled=progress, total=total)
+    bar = BuildProgress(
+        name, nbytes=lambda: builder.nbytes, enabled=progress, total=_length(records)
+    )
     ok = False
-    append = builder.append
-    add_metadata = collector.add
-    index = -1
     try:
-        for index, record in enumerate(records):
-            try:
-                data = dumps(record)
-            except Exception as exc:
-                raise SerializationError(
-                    f"record {index} could not be serialized with {ser_name}: {exc}"
-                ) from exc
-            if type(data) is not bytes:
-                data = as_bytes(data, index, ser_name)
-            append(data)
-            if metadata is not None:
-                try:
-                    values = metadata(record)
-                except Exception as exc:
-                    raise MetadataError(f"metadata() raised on record {index}: {exc!r}") from exc
-                add_metadata(index, values)
-            bar.update(index + 1)
-        bar.settle(index + 1)
+        count = _write_records(records, builder.append, dumps, ser_name, metadata, collector, bar)
+        bar.settle(count)
         frame = collector.frame(builder.cache_id, builder.num_samples)
         frame.write_parquet(builder.metadata_path)
         write_version_plan(builder.plan_path, frame)

@@ -239,12 +239,21 @@ class Cache:
 
     # -- metadata ---------------------------------------------------------------------------
     def _live_manifest(self) -> _native.Manifest:
+        """The manifest on disk now.
+
+        Records appended since this object was opened become readable through it: its
+        reader is replaced by one that sees them.
+        """
         manifest = _native.Store(str(self._root)).manifest(self.name)
         if manifest.cache_id != self.cache_id:
             raise StaleCacheError(
                 f"cache {self.name!r} was rebuilt since it was opened (cache_id "
                 f"{self.cache_id} is now {manifest.cache_id}); open it again"
             )
+        if manifest.num_samples != self._manifest.num_samples:
+            reader = registry.open_reader(self._root, self.name)
+            if reader.manifest.cache_id == self.cache_id:
+                self._reader, self._manifest = reader, reader.manifest
         return manifest
 
     @property
@@ -408,6 +417,7 @@ class Cache:
             raise TypeError(
                 f"save_metadata needs a polars DataFrame or LazyFrame, not {type(frame).__name__}"
             )
+        self._live_manifest()  # records appended since this object was opened count
         checked = checked_edit(frame, self.cache_id, len(self), self.name)
         store = _native.Store(str(self._root))
         with store.lock(self.name) as lock:

@@ -5,6 +5,7 @@
 //! <name>/shards/NNNNN.bin         SHARD_MAGIC header, then records back to back, aligned
 //! <name>/index.arrow              sample_id -> shard, offset, length, checksum
 //! <name>/metadata/vNNNNN.parquet  metadata versions; the manifest names the live one
+//! <name>/parts/NNNNN/             records appended later: shards/ and index.arrow of their own
 //! ```
 
 use std::collections::BTreeMap;
@@ -20,8 +21,9 @@ use crate::error::{Error, IoContext, Result};
 /// Version 2 records serializers by the names `drt.cache(serializer=...)` takes. Version 1
 /// recorded the default one (protocol 5 with out-of-band buffers) as `pickle-oob` and plain
 /// in-band pickle as `pickle`; such manifests are read into the version 2 names, and written
-/// back as version 2 when they are next committed.
-pub const FORMAT_VERSION: u64 = 2;
+/// back as version 2 when they are next committed. Version 3 adds `parts`: records appended
+/// after the build, each part with shards and an index of its own.
+pub const FORMAT_VERSION: u64 = 3;
 /// The name of the manifest file inside a cache directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The name of the index file inside a cache directory.
@@ -30,6 +32,8 @@ pub const INDEX_FILE: &str = "index.arrow";
 pub const SHARDS_DIR: &str = "shards";
 /// The directory that holds the metadata versions.
 pub const METADATA_DIR: &str = "metadata";
+/// The directory that holds the parts appended after the build, one directory each.
+pub const PARTS_DIR: &str = "parts";
 /// The first bytes of a record whose large buffers are stored out of band (the default
 /// `pickle` serializer's layout: header, aligned buffers, then the pickle stream).
 pub const OOB_MAGIC: &[u8; 8] = b"DRTOOB01";
@@ -58,6 +62,34 @@ pub struct FileEntry {
     pub checksum: String,
 }
 
+/// Records appended to a cache after its build: shards and an index of their own, in
+/// `parts/NNNNN/`. A part's samples follow those before it, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Part {
+    /// The part's shards in id order (the ids its index refers to), paths relative to the
+    /// cache directory.
+    pub shards: Vec<FileEntry>,
+    /// The part's index: its samples, numbered from 0.
+    pub index: FileEntry,
+    /// Number of records in the part.
+    pub num_samples: u64,
+    /// Sum of the part's record lengths.
+    pub nbytes: u64,
+}
+
+/// One run of a cache's samples with its own shards and index: the build's, or a part's.
+#[derive(Debug, Clone, Copy)]
+pub struct Segment<'a> {
+    /// The sample id of its first record.
+    pub first: u64,
+    /// Number of records.
+    pub num_samples: u64,
+    /// Its shards, in the order its index refers to them.
+    pub shards: &'a [FileEntry],
+    /// Its index.
+    pub index: &'a FileEntry,
+}
+
 /// The manifest: the one file that makes a directory a cache.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -67,9 +99,9 @@ pub struct Manifest {
     pub name: String,
     /// Unique per build.
     pub cache_id: String,
-    /// Number of records.
+    /// Number of records, the parts' included.
     pub num_samples: u64,
-    /// Sum of the records' lengths (padding excluded).
+    /// Sum of the records' lengths (padding excluded), the parts' included.
     pub nbytes: u64,
     /// Alignment of every record's first byte within its shard.
     pub alignment: u64,
@@ -80,10 +112,13 @@ pub struct Manifest {
     pub compression: String,
     /// UTC creation time, ISO 8601.
     pub created_at: String,
-    /// The payload shards in id order.
+    /// The build's payload shards in id order.
     pub shards: Vec<FileEntry>,
-    /// The sample index.
+    /// The build's sample index.
     pub index: FileEntry,
+    /// Records appended after the build, in order; their samples follow the build's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<Part>,
     /// The live metadata version (`metadata/vNNNNN.parquet`).
     pub metadata_version: u32,
     /// Every metadata version saved so far, oldest first; the live one among them.
@@ -152,6 +187,33 @@ impl Manifest {
         self.format_version = FORMAT_VERSION;
     }
 
+    /// The build's records and each part's, in sample order.
+    pub fn segments(&self) -> Vec<Segment<'_>> {
+        let appended: u64 = self.parts.iter().map(|p| p.num_samples).sum();
+        let mut first = self.num_samples.saturating_sub(appended);
+        let mut segments = vec![Segment {
+            first: 0,
+            num_samples: first,
+            shards: &self.shards,
+            index: &self.index,
+        }];
+        for part in &self.parts {
+            segments.push(Segment {
+                first,
+                num_samples: part.num_samples,
+                shards: &part.shards,
+                index: &part.index,
+            });
+            first += part.num_samples;
+        }
+        segments
+    }
+
+    /// The relative path of the directory of part `number` (1 for the first appended).
+    pub fn part_dir(number: usize) -> String {
+        format!("{PARTS_DIR}/{number:05}")
+    }
+
     /// The relative path of metadata version `version`.
     pub fn metadata_file(version: u32) -> String {
         format!("{METADATA_DIR}/v{version:05}.parquet")
@@ -175,19 +237,32 @@ impl Manifest {
             "unknown compression {:?}",
             self.compression
         );
-        for entry in self.shards.iter().chain(std::iter::once(&self.index)) {
+        let appended = self
+            .parts
+            .iter()
+            .map(|p| p.num_samples)
+            .try_fold(0u64, u64::checked_add);
+        crate::ensure_intact!(
+            appended.is_some_and(|n| n <= self.num_samples),
+            path,
+            "its parts hold more samples than the cache's {}",
+            self.num_samples
+        );
+        for segment in self.segments() {
+            for entry in segment.shards.iter().chain(std::iter::once(segment.index)) {
+                crate::ensure_intact!(
+                    is_plain_relative(&entry.file),
+                    path,
+                    "file entry {:?} leaves the cache directory",
+                    entry.file
+                );
+            }
             crate::ensure_intact!(
-                is_plain_relative(&entry.file),
+                segment.shards.len() <= u32::MAX as usize,
                 path,
-                "file entry {:?} leaves the cache directory",
-                entry.file
+                "too many shards"
             );
         }
-        crate::ensure_intact!(
-            self.shards.len() <= u32::MAX as usize,
-            path,
-            "too many shards"
-        );
         crate::ensure_intact!(
             self.metadata_versions.contains(&self.metadata_version),
             path,

@@ -6,8 +6,10 @@
 //!
 //! A cache is written by a [`writer::CacheWriter`] into a build directory handed out by a
 //! [`store::Store`], published atomically under its name, and read by a
-//! [`reader::CacheReader`].
+//! [`reader::CacheReader`]. Records appended later go into a part of their own
+//! ([`append::AppendSession`]), listed by the manifest after the build's.
 
+pub mod append;
 pub mod build;
 pub mod error;
 pub mod faults;

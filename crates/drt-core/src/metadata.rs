@@ -128,6 +128,16 @@ impl MetadataSave {
     /// Makes the written table the live version; returns its number. On failure nothing of
     /// it is left and the live version is unchanged.
     pub fn commit(&mut self, lock: &BuildLock) -> Result<u32> {
+        self.commit_with(lock, |_| Ok(()))
+    }
+
+    /// [`commit`](Self::commit), with `edit` applied to the manifest it writes, in the same
+    /// atomic write (an append adds its part there). An error from `edit` aborts the commit.
+    pub(crate) fn commit_with(
+        &mut self,
+        lock: &BuildLock,
+        edit: impl FnOnce(&mut Manifest) -> Result<()>,
+    ) -> Result<u32> {
         if !self.open {
             return Err(Error::Internal(
                 "the metadata save was already committed or discarded".into(),
@@ -162,6 +172,7 @@ impl MetadataSave {
             sync_dir(file.parent().unwrap_or(&dir))?;
             crash_point("metadata-renamed");
             let mut manifest = current(&self.store, &self.name, &self.cache_id)?;
+            edit(&mut manifest)?;
             let (_, digest) = file_checksum(&file)?;
             manifest.metadata_versions.push(self.version);
             manifest.metadata_version = self.version;
@@ -254,7 +265,7 @@ fn temporary(dir: &Path, file: &str) -> PathBuf {
 }
 
 /// The manifest of cache `name`, which must still be the build `cache_id`.
-fn current(store: &Store, name: &str, cache_id: &str) -> Result<Manifest> {
+pub(crate) fn current(store: &Store, name: &str, cache_id: &str) -> Result<Manifest> {
     let manifest = store.manifest(name)?;
     if manifest.cache_id != cache_id {
         return Err(Error::Rebuilt {

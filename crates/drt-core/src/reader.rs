@@ -17,12 +17,21 @@ struct Shard {
     map: Arc<MappedFile>,
 }
 
+/// The build's records, or a part's: an index of its own over shards of its own.
+struct Segment {
+    /// The sample id of its first record.
+    first: u64,
+    index: Index,
+    index_file: String,
+    shards: Vec<Shard>,
+}
+
 /// An open cache.
 pub struct CacheReader {
     dir: PathBuf,
     manifest: Manifest,
-    index: Index,
-    shards: Vec<Shard>,
+    /// In sample order; the build's first. Opening costs one index mapping per part.
+    segments: Vec<Segment>,
     /// Set once a mapped file of this cache was found to have shrunk: some of its pages may
     /// now read as zeros, so no further record is served.
     poisoned: AtomicBool,
@@ -68,34 +77,48 @@ fn check_size(dir: &Path, entry: &FileEntry) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// Maps a segment's index and shards, checking each against the manifest's sizes.
+fn open_segment(dir: &Path, segment: &crate::format::Segment<'_>) -> Result<Segment> {
+    let index_path = check_size(dir, segment.index)?;
+    let index = Index::open(&index_path, segment.num_samples)?;
+    let mut shards = Vec::with_capacity(segment.shards.len());
+    for entry in segment.shards {
+        let path = check_size(dir, entry)?;
+        crate::ensure_intact!(
+            entry.size >= SHARD_HEADER_LEN,
+            &path,
+            "shard is shorter than its header"
+        );
+        let file = std::fs::File::open(&path).at(&path)?;
+        let map = MappedFile::open(&file, &path)?;
+        crate::ensure_intact!(
+            map.len() as u64 == entry.size && map[..8] == SHARD_MAGIC[..],
+            &path,
+            "not a dataset_rt shard (bad header)"
+        );
+        shards.push(Shard { path, map });
+    }
+    Ok(Segment {
+        first: segment.first,
+        index,
+        index_file: segment.index.file.clone(),
+        shards,
+    })
+}
+
 impl CacheReader {
     /// Opens the cache in directory `dir`.
     pub fn open(dir: &Path) -> Result<Self> {
         let manifest = Manifest::read(dir)?;
-        let index_path = check_size(dir, &manifest.index)?;
-        let index = Index::open(&index_path, manifest.num_samples)?;
-        let mut shards = Vec::with_capacity(manifest.shards.len());
-        for entry in &manifest.shards {
-            let path = check_size(dir, entry)?;
-            crate::ensure_intact!(
-                entry.size >= SHARD_HEADER_LEN,
-                &path,
-                "shard is shorter than its header"
-            );
-            let file = std::fs::File::open(&path).at(&path)?;
-            let map = MappedFile::open(&file, &path)?;
-            crate::ensure_intact!(
-                map.len() as u64 == entry.size && map[..8] == SHARD_MAGIC[..],
-                &path,
-                "not a dataset_rt shard (bad header)"
-            );
-            shards.push(Shard { path, map });
-        }
+        let segments = manifest
+            .segments()
+            .into_iter()
+            .map(|segment| open_segment(dir, &segment))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             dir: dir.to_path_buf(),
             manifest,
-            index,
-            shards,
+            segments,
             poisoned: AtomicBool::new(false),
         })
     }
@@ -165,31 +188,45 @@ impl CacheReader {
 
     /// Number of samples.
     pub fn len(&self) -> u64 {
-        self.index.len()
+        self.manifest.num_samples
     }
 
     /// Whether the cache has no samples.
     pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
+        self.manifest.num_samples == 0
+    }
+
+    /// The segment holding `sample_id` (which is in range).
+    fn segment_of(&self, sample_id: u64) -> &Segment {
+        match self.segments.as_slice() {
+            [only] => only,
+            all => &all[all.partition_point(|s| s.first <= sample_id) - 1],
+        }
+    }
+
+    /// Where record `sample_id` lives: its index entry (offsets within its shard) and shard.
+    fn location(&self, sample_id: u64) -> (Location, &Segment) {
+        let segment = self.segment_of(sample_id);
+        (segment.index.location(sample_id - segment.first), segment)
     }
 
     fn checked_location(&self, sample_id: u64) -> Result<(Location, &Shard)> {
         self.check_usable()?;
-        if sample_id >= self.index.len() {
+        if sample_id >= self.len() {
             return Err(Error::SampleOutOfRange {
                 sample_id,
-                len: self.index.len(),
+                len: self.len(),
                 name: self.manifest.name.clone(),
             });
         }
-        let loc = self.index.location(sample_id);
-        let shard = self.shards.get(loc.shard as usize).ok_or_else(|| {
+        let (loc, segment) = self.location(sample_id);
+        let shard = segment.shards.get(loc.shard as usize).ok_or_else(|| {
             Error::corrupt(
-                self.dir.join(&self.manifest.index.file),
+                self.dir.join(&segment.index_file),
                 format!(
                     "sample_id {sample_id} points to shard {} of {}",
                     loc.shard,
-                    self.shards.len()
+                    segment.shards.len()
                 ),
             )
         })?;
@@ -300,7 +337,10 @@ pub(crate) mod tests {
         build(dir.path(), &records(50), opts);
         let first = CacheReader::open(dir.path()).unwrap();
         let second = CacheReader::open(dir.path()).unwrap();
-        assert!(Arc::ptr_eq(&first.shards[0].map, &second.shards[0].map));
+        assert!(Arc::ptr_eq(
+            &first.segments[0].shards[0].map,
+            &second.segments[0].shards[0].map
+        ));
         // A rebuilt cache has new files (new inodes), so it gets mappings of its own.
         let rebuilt = tempfile::tempdir().unwrap();
         build(rebuilt.path(), &records(60), opts);
@@ -318,7 +358,10 @@ pub(crate) mod tests {
         )
         .unwrap();
         let third = CacheReader::open(dir.path()).unwrap();
-        assert!(!Arc::ptr_eq(&first.shards[0].map, &third.shards[0].map));
+        assert!(!Arc::ptr_eq(
+            &first.segments[0].shards[0].map,
+            &third.segments[0].shards[0].map
+        ));
         assert_eq!(third.len(), 60);
         assert_eq!(first.len(), 50);
     }
@@ -359,7 +402,7 @@ pub(crate) mod tests {
             let manifest = build(&sub, &recs, opts);
             let reader = CacheReader::open(&sub).unwrap();
             for i in 0..reader.len() {
-                let loc = reader.index.location(i);
+                let loc = reader.location(i).0;
                 assert_eq!(loc.offset % alignment, 0);
                 let ptr = reader.record(i).unwrap().as_ptr() as u64;
                 assert_eq!(ptr % alignment, 0, "mapped record {i} misaligned");
@@ -394,14 +437,10 @@ pub(crate) mod tests {
         build(dir.path(), &recs, opts);
         let reader = CacheReader::open(dir.path()).unwrap();
         for i in [1, 3] {
-            assert_eq!(
-                reader.index.location(i).offset % RECORD_ALIGN as u64,
-                0,
-                "{i}"
-            );
+            assert_eq!(reader.location(i).0.offset % RECORD_ALIGN as u64, 0, "{i}");
             assert_eq!(reader.record(i).unwrap(), &recs[i as usize][..]);
         }
-        assert_ne!(reader.index.location(4).offset % RECORD_ALIGN as u64, 0);
+        assert_ne!(reader.location(4).0.offset % RECORD_ALIGN as u64, 0);
     }
 
     #[test]
@@ -443,7 +482,7 @@ pub(crate) mod tests {
         let shard = dir.path().join("shards/00000.bin");
         let mut bytes = std::fs::read(&shard).unwrap();
         let reader = CacheReader::open(dir.path()).unwrap();
-        let loc = reader.index.location(5);
+        let loc = reader.location(5).0;
         drop(reader);
         bytes[loc.offset as usize] ^= 0xff;
         std::fs::write(&shard, &bytes).unwrap();
@@ -468,7 +507,7 @@ pub(crate) mod tests {
         build(dir.path(), &records(3), WriteOptions::default());
         let manifest_path = dir.path().join("manifest.json");
         let text = std::fs::read_to_string(&manifest_path).unwrap();
-        assert!(text.contains("\"format_version\": 2"), "{text}");
+        assert!(text.contains("\"format_version\": 3"), "{text}");
         assert!(text.contains("\"serializer\": \"pickle\""), "{text}");
         for (stored, read) in [
             ("pickle-oob", "pickle"),
@@ -476,7 +515,7 @@ pub(crate) mod tests {
             ("dill", "dill"),
         ] {
             let old = text
-                .replace("\"format_version\": 2", "\"format_version\": 1")
+                .replace("\"format_version\": 3", "\"format_version\": 1")
                 .replace(
                     "\"serializer\": \"pickle\"",
                     &format!("\"serializer\": \"{stored}\""),
@@ -496,7 +535,7 @@ pub(crate) mod tests {
         let text = std::fs::read_to_string(&manifest_path).unwrap();
         std::fs::write(
             &manifest_path,
-            text.replace("\"format_version\": 2", "\"format_version\": 99"),
+            text.replace("\"format_version\": 3", "\"format_version\": 99"),
         )
         .unwrap();
         assert!(matches!(

@@ -12,7 +12,7 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::format::{
-    checksum_hex, FileEntry, Manifest, MANIFEST_FILE, SHARD_HEADER_LEN, SHARD_MAGIC,
+    checksum_hex, FileEntry, Manifest, Segment, MANIFEST_FILE, SHARD_HEADER_LEN, SHARD_MAGIC,
 };
 use crate::index::Index;
 use crate::metadata::check_digest;
@@ -156,43 +156,47 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(u64) -> Result<()>) -> Result
         }
     };
 
-    // The index: checked as a file, then parsed; its records are checked against the shards
-    // even when its checksum fails, so that the report can name the samples affected.
-    let index_ok = matches!(
-        check_entry(dir, &manifest.index, &mut report),
-        Some((_, true))
-    );
-    progress(report.bytes_read)?;
-    let index = if index_ok || dir.join(&manifest.index.file).is_file() {
-        match Index::open(&dir.join(&manifest.index.file), manifest.num_samples) {
-            Ok(index) => Some(index),
-            Err(e) => {
-                if index_ok {
-                    report.problem(&manifest.index.file, e.to_string());
-                }
-                None
-            }
-        }
-    } else {
-        None
-    };
-
-    // Shards whose whole-file checksum fails are still used for the per-record checks when
-    // their size is right, so that the report names the damaged samples.
-    let mut shards: Vec<Option<Vec<u8>>> = Vec::with_capacity(manifest.shards.len());
-    for entry in &manifest.shards {
-        let bytes = check_entry(dir, entry, &mut report).map(|(bytes, _)| bytes);
-        if let Some(bytes) = &bytes {
-            if bytes.len() < SHARD_HEADER_LEN as usize || bytes[..8] != SHARD_MAGIC[..] {
-                report.problem(&entry.file, "not a dataset_rt shard (bad header)");
-            }
-        }
-        shards.push(bytes);
+    // Each segment (the build's records, then each appended part's): its index checked as a
+    // file, then parsed; its records are checked against the shards even when its checksum
+    // fails, so that the report can name the samples affected.
+    for segment in manifest.segments() {
+        let index_ok = matches!(
+            check_entry(dir, segment.index, &mut report),
+            Some((_, true))
+        );
         progress(report.bytes_read)?;
-    }
+        let index_path = dir.join(&segment.index.file);
+        let index = if index_ok || index_path.is_file() {
+            match Index::open(&index_path, segment.num_samples) {
+                Ok(index) => Some(index),
+                Err(e) => {
+                    if index_ok {
+                        report.problem(&segment.index.file, e.to_string());
+                    }
+                    None
+                }
+            }
+        } else {
+            None
+        };
 
-    if let Some(index) = &index {
-        check_records(&manifest, index, &shards, &mut report);
+        // Shards whose whole-file checksum fails are still used for the per-record checks
+        // when their size is right, so that the report names the damaged samples.
+        let mut shards: Vec<Option<Vec<u8>>> = Vec::with_capacity(segment.shards.len());
+        for entry in segment.shards {
+            let bytes = check_entry(dir, entry, &mut report).map(|(bytes, _)| bytes);
+            if let Some(bytes) = &bytes {
+                if bytes.len() < SHARD_HEADER_LEN as usize || bytes[..8] != SHARD_MAGIC[..] {
+                    report.problem(&entry.file, "not a dataset_rt shard (bad header)");
+                }
+            }
+            shards.push(bytes);
+            progress(report.bytes_read)?;
+        }
+
+        if let Some(index) = &index {
+            check_records(&segment, index, &shards, &mut report);
+        }
     }
 
     // Metadata versions: present, and matching their recorded checksum where there is one.
@@ -238,10 +242,10 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(u64) -> Result<()>) -> Result
     Ok(report)
 }
 
-/// Checks every record of `index` against the shard bytes; problems are grouped by file and
-/// kind, each with the sample ids it affects.
+/// Checks every record of a segment's `index` against its shards' bytes; problems are
+/// grouped by file and kind, each with the (cache-wide) sample ids it affects.
 fn check_records(
-    manifest: &Manifest,
+    segment: &Segment<'_>,
     index: &Index,
     shards: &[Option<Vec<u8>>],
     report: &mut Report,
@@ -253,18 +257,19 @@ fn check_records(
             .or_default()
             .push(id);
     };
-    let index_file = manifest.index.file.as_str();
-    for id in 0..index.len() {
+    let index_file = segment.index.file.as_str();
+    for row in 0..index.len() {
         report.samples_checked += 1;
-        if index.stored_sample_id(id) != id {
+        let id = segment.first + row;
+        if index.stored_sample_id(row) != row {
             add(
                 index_file,
                 "rows whose stored sample_id is not their position",
                 id,
             );
         }
-        let loc = index.location(id);
-        let Some(entry) = manifest.shards.get(loc.shard as usize) else {
+        let loc = index.location(row);
+        let Some(entry) = segment.shards.get(loc.shard as usize) else {
             add(
                 index_file,
                 "samples that point to a shard the manifest does not list",

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::format::Manifest;
+use crate::format::{Manifest, Part};
 use crate::writer::{CacheWriter, ManifestInfo};
 
 /// A batch is handed to the writer thread once it holds this many bytes.
@@ -152,6 +152,14 @@ impl WriteBehind {
             self.send()?;
         }
         self.join()?.finish(info)
+    }
+
+    /// Writes the queued records, then the part's index (see [`CacheWriter::finish_part`]).
+    pub fn finish_part(mut self) -> Result<Part> {
+        if !self.batch.ends.is_empty() {
+            self.send()?;
+        }
+        self.join()?.finish_part()
     }
 }
 

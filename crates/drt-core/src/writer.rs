@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, IoContext, Result};
 use crate::format::{
-    checksum_hex, shard_file, FileEntry, Manifest, FORMAT_VERSION, INDEX_FILE, METADATA_DIR,
+    checksum_hex, shard_file, FileEntry, Manifest, Part, FORMAT_VERSION, INDEX_FILE, METADATA_DIR,
     MIN_OUT_OF_BAND, OOB_MAGIC, RECORD_ALIGN, SHARDS_DIR, SHARD_HEADER_LEN, SHARD_MAGIC,
 };
 use crate::index::{HashingWriter, IndexBuilder, Location};
@@ -130,13 +130,19 @@ pub struct CacheWriter {
 const ZEROS: [u8; 4096] = [0; 4096];
 
 impl CacheWriter {
-    /// Starts writing into `dir`, an existing empty directory.
+    /// Starts writing a cache into `dir`, an existing empty directory.
     pub fn create(dir: &Path, opts: WriteOptions) -> Result<Self> {
+        let metadata = dir.join(METADATA_DIR);
+        std::fs::create_dir_all(&metadata).at(&metadata)?;
+        Self::create_part(dir, opts)
+    }
+
+    /// Starts writing a part (shards and an index, no metadata) into `dir`, an existing empty
+    /// directory.
+    pub fn create_part(dir: &Path, opts: WriteOptions) -> Result<Self> {
         opts.check()?;
-        for sub in [SHARDS_DIR, METADATA_DIR] {
-            let path = dir.join(sub);
-            std::fs::create_dir_all(&path).at(&path)?;
-        }
+        let shards = dir.join(SHARDS_DIR);
+        std::fs::create_dir_all(&shards).at(&shards)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             opts,
@@ -258,34 +264,48 @@ impl CacheWriter {
             let (_, plan_digest) = crate::format::file_checksum(&plan)?;
             plan_checksums.insert(info.metadata_version, checksum_hex(plan_digest));
         }
-        let num_samples = self.index.len();
-        let index_path = self.dir.join(INDEX_FILE);
-        let (size, digest) = self.index.write(&index_path)?;
+        let written = self.finish_part()?;
         let manifest = Manifest {
             format_version: FORMAT_VERSION,
             name: info.name,
             cache_id: info.cache_id,
-            num_samples,
-            nbytes: self.nbytes,
+            num_samples: written.num_samples,
+            nbytes: written.nbytes,
             alignment: self.opts.alignment,
             serializer: info.serializer,
             compression: "none".into(),
             created_at: crate::format::utc_now_iso(),
-            shards: self.shards,
-            index: FileEntry {
-                file: INDEX_FILE.into(),
-                size,
-                checksum: checksum_hex(digest),
-            },
+            shards: written.shards,
+            index: written.index,
+            parts: Vec::new(),
             metadata_version: info.metadata_version,
             metadata_versions: vec![info.metadata_version],
             metadata_checksums: [(info.metadata_version, checksum_hex(metadata_digest))].into(),
             plan_checksums,
         };
-        for sub in [SHARDS_DIR, METADATA_DIR] {
-            crate::format::sync_dir(&self.dir.join(sub))?;
-        }
+        crate::format::sync_dir(&self.dir.join(METADATA_DIR))?;
         manifest.write(&self.dir)?;
         Ok(manifest)
+    }
+
+    /// Closes the last shard and writes the index, both flushed to disk; returns what was
+    /// written, with paths relative to the writer's directory.
+    pub fn finish_part(&mut self) -> Result<Part> {
+        self.close_shard()?;
+        let num_samples = self.index.len();
+        let index_path = self.dir.join(INDEX_FILE);
+        let (size, digest) = std::mem::take(&mut self.index).write(&index_path)?;
+        crate::format::sync_dir(&self.dir.join(SHARDS_DIR))?;
+        crate::format::sync_dir(&self.dir)?;
+        Ok(Part {
+            shards: std::mem::take(&mut self.shards),
+            index: FileEntry {
+                file: INDEX_FILE.into(),
+                size,
+                checksum: checksum_hex(digest),
+            },
+            num_samples,
+            nbytes: self.nbytes,
+        })
     }
 }

@@ -1,7 +1,9 @@
-//! `CacheBuilder`: a build in progress, each method one call into a core `BuildSession`.
+//! `CacheBuilder` and `AppendSession`: a build or an append in progress, each method one
+//! call into its core session.
 
 use std::path::PathBuf;
 
+use drt_core::append::AppendSession;
 use drt_core::build::BuildSession;
 use pyo3::prelude::*;
 
@@ -10,6 +12,20 @@ use crate::lock::PyBuildLock;
 
 /// Records at least this long are copied into the write-behind batch with the GIL released.
 const DETACH_THRESHOLD: usize = 64 << 10;
+
+/// `append(record)`, with the GIL released for long records (copying them takes a while,
+/// short ones are not worth the switch).
+fn append_record(
+    py: Python<'_>,
+    record: &[u8],
+    append: impl FnOnce(&[u8]) -> drt_core::Result<u64> + Send,
+) -> PyResult<u64> {
+    if record.len() >= DETACH_THRESHOLD {
+        run(py, || append(record))
+    } else {
+        append(record).map_err(|e| to_py(py, e))
+    }
+}
 
 #[pyclass(name = "CacheBuilder", module = "dataset_rt._native")]
 pub struct PyCacheBuilder {
@@ -61,11 +77,7 @@ impl PyCacheBuilder {
 
     /// Appends one serialized record; returns its sample id.
     fn append(&mut self, py: Python<'_>, record: &[u8]) -> PyResult<u64> {
-        if record.len() >= DETACH_THRESHOLD {
-            run(py, || self.session.append(record))
-        } else {
-            self.session.append(record).map_err(|e| to_py(py, e))
-        }
+        append_record(py, record, |r| self.session.append(r))
     }
 
     /// Writes the index and manifest and publishes the cache under its name.
@@ -78,6 +90,68 @@ impl PyCacheBuilder {
     }
 
     /// Removes the build directory; the cache of this name, if any, is untouched.
+    fn abort(&mut self, py: Python<'_>) -> PyResult<()> {
+        run(py, || self.session.discard())
+    }
+}
+
+/// An append in progress: records go into a new part of a published cache, each method one
+/// call into a core `AppendSession`.
+#[pyclass(name = "AppendSession", module = "dataset_rt._native")]
+pub struct PyAppendSession {
+    session: AppendSession,
+    lock: Py<PyBuildLock>,
+}
+
+impl PyAppendSession {
+    /// Wraps a session begun under `lock`, which `commit` records under.
+    pub fn new(session: AppendSession, lock: Py<PyBuildLock>) -> Self {
+        Self { session, lock }
+    }
+}
+
+#[pymethods]
+impl PyAppendSession {
+    /// The sample id of the first appended record.
+    #[getter]
+    fn first(&self) -> u64 {
+        self.session.first()
+    }
+
+    #[getter]
+    fn num_samples(&self) -> u64 {
+        self.session.num_samples()
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.session.nbytes()
+    }
+
+    /// Where the new metadata table (old rows and new) is written before `commit`.
+    #[getter]
+    fn metadata_path(&self) -> PathBuf {
+        self.session.metadata_path().to_path_buf()
+    }
+
+    /// Where the new version's loader plan may be written before `commit`.
+    #[getter]
+    fn plan_path(&self) -> PathBuf {
+        self.session.plan_path().to_path_buf()
+    }
+
+    /// Appends one serialized record; returns its sample id in the cache.
+    fn append(&mut self, py: Python<'_>, record: &[u8]) -> PyResult<u64> {
+        append_record(py, record, |r| self.session.append(r))
+    }
+
+    /// Moves the part into place and makes the new table the live version; returns it.
+    fn commit(&mut self, py: Python<'_>) -> PyResult<u32> {
+        let lock = self.lock.clone_ref(py);
+        run(py, || lock.get().with(|held| self.session.commit(held)))
+    }
+
+    /// Removes what was written; the cache is untouched.
     fn abort(&mut self, py: Python<'_>) -> PyResult<()> {
         run(py, || self.session.discard())
     }

@@ -29,8 +29,10 @@ pub struct PyManifest {
     compression: String,
     /// UTC creation time, RFC 3339.
     created_at: String,
-    /// Number of payload shards.
+    /// Number of payload shards, the parts' included.
     num_shards: usize,
+    /// Number of parts: the build's records, then one per append.
+    num_parts: usize,
     /// The live metadata version.
     metadata_version: u32,
     /// Every saved metadata version, oldest first.
@@ -53,7 +55,8 @@ impl From<&Manifest> for PyManifest {
             serializer: m.serializer.clone(),
             compression: m.compression.clone(),
             created_at: m.created_at.clone(),
-            num_shards: m.shards.len(),
+            num_shards: m.segments().iter().map(|s| s.shards.len()).sum(),
+            num_parts: 1 + m.parts.len(),
             metadata_version: m.metadata_version,
             metadata_versions: m.metadata_versions.clone(),
             metadata_checksums: m.metadata_checksums.clone(),

@@ -2,13 +2,14 @@
 
 use std::path::PathBuf;
 
+use drt_core::append::AppendSession;
 use drt_core::build::BuildSession;
 use drt_core::metadata::MetadataSave;
 use drt_core::store::Store;
 use drt_core::writer::WriteOptions;
 use pyo3::prelude::*;
 
-use crate::builder::PyCacheBuilder;
+use crate::builder::{PyAppendSession, PyCacheBuilder};
 use crate::errors::{run, run_interruptible, to_py};
 use crate::lock::PyBuildLock;
 use crate::manifest::PyManifest;
@@ -180,5 +181,21 @@ impl PyStore {
                 .with(|held| BuildSession::begin(&self.inner, held, opts))
         })?;
         Ok(PyCacheBuilder::new(session, lock))
+    }
+
+    /// Starts appending records to cache `lock`'s name, which must still be the build
+    /// `cache_id` (else `StaleCacheError`), as a new part of shards of at most `shard_size`.
+    fn begin_append(
+        &self,
+        py: Python<'_>,
+        lock: Py<PyBuildLock>,
+        cache_id: &str,
+        shard_size: u64,
+    ) -> PyResult<PyAppendSession> {
+        let session = run(py, || {
+            lock.get()
+                .with(|held| AppendSession::begin(&self.inner, held, cache_id, shard_size))
+        })?;
+        Ok(PyAppendSession::new(session, lock))
     }
 }
