@@ -57,6 +57,7 @@ def test_appended_records_follow_the_old_ones_which_stay_untouched(base: drt.Cac
         progress=False,
     )
     assert len(grown) == 55 and grown.cache_id == base.cache_id
+    assert (grown.num_parts, base.num_parts) == (2, 1)
     assert all(same_record(grown.get(i), record(i)) for i in (0, 29, 30, 54))
     assert [_i(r) for r in grown.get_many([54, 3, 31])] == [54, 3, 31]
     # Old files are byte for byte what they were; the new part sits beside them.
@@ -154,6 +155,15 @@ def test_a_failed_append_leaves_the_cache_as_it_was(
     assert _unchanged(drt.open("growing"), table, files)
     assert not any((base.path / "parts").iterdir())
     assert drt.verify("growing", progress=False).ok
+
+
+def test_info_counts_the_parts(base: drt.Cache, capsys: pytest.CaptureFixture[str]) -> None:
+    from dataset_rt.cli import main
+
+    grown = drt.append("growing", [record(30)], progress=False)
+    assert main(["info", "growing"]) == 0
+    assert f"in {grown.num_shards} shard(s), 2 parts" in capsys.readouterr().out
+    assert ">parts</th><td style='text-align:left'>2</td>" in grown._repr_html_()
 
 
 def test_append_errors_name_what_is_wrong(base: drt.Cache) -> None:

@@ -51,6 +51,17 @@ def test_each_saved_version_has_a_plan_that_a_scan_loader_maps(cache: drt.Cache)
     assert draws(cache.scan(), num_workers=2) == draws(cache.scan())  # workers map it too
 
 
+def test_ranks_map_the_same_saved_plan_and_share_out_its_draws(cache: drt.Cache) -> None:
+    ranks = [
+        cache.scan().drt.loader(batch_size=16, seed=5, collate=list, rank=r, world_size=2)
+        for r in (0, 1)
+    ]
+    assert {loader._spec.plan for loader in ranks} == {str(plan_of(cache, 1))}
+    per_rank = [[int(r["x"][0]) for batch in loader for r in batch] for loader in ranks]
+    assert len(per_rank[0]) == len(per_rank[1]) == 100
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(draws(cache.scan()))
+
+
 def test_a_changed_scan_or_an_unshuffled_loader_builds_its_own_plan(cache: drt.Cache) -> None:
     kept = cache.scan().filter(pl.col("label") < 2)
     loader = kept.drt.loader(batch_size=16, seed=5, collate=list)

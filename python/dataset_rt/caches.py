@@ -114,6 +114,11 @@ class Cache:
         """Number of payload shard files."""
         return self._manifest.num_shards
 
+    @property
+    def num_parts(self) -> int:
+        """Number of parts: 1 for the build, plus 1 per :func:`~dataset_rt.append`."""
+        return self._manifest.num_parts
+
     def __len__(self) -> int:
         return len(self._reader)
 
@@ -453,6 +458,7 @@ class Cache:
             ("samples", f"{len(self):,}"),
             ("size", format_bytes(self.nbytes)),
             ("shards", str(self.num_shards)),
+            ("parts", str(self.num_parts)),
             ("serializer", self.serializer),
             ("cache_id", self.cache_id),
             ("created", self.created_at.strftime("%Y-%m-%d %H:%M:%S UTC")),

@@ -55,7 +55,8 @@ def _info(args: argparse.Namespace) -> None:
     print(f"path        {c.path}")
     print(f"cache_id    {c.cache_id}")
     print(f"samples     {len(c):,}")
-    print(f"size        {format_bytes(c.nbytes)} in {c.num_shards} shard(s)")
+    parts = f", {c.num_parts} parts" if c.num_parts > 1 else ""
+    print(f"size        {format_bytes(c.nbytes)} in {c.num_shards} shard(s){parts}")
     print(f"serializer  {c.serializer} ({describe_serializer(c.serializer)})")
     print(f"created     {c.created_at:%Y-%m-%d %H:%M:%S} UTC")
     versions = c.metadata_versions()["version"].to_list()
