@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -58,3 +59,21 @@ def slow_identity(x: Any) -> Any:
 
     time.sleep(0.001)
     return x
+
+
+class Squares:
+    """A map-style dataset (no ``__iter__``) that can die or fail at a chosen index; parallel
+    builds send it to their worker processes, which import it from here."""
+
+    def __init__(self, n: int, die_at: int = -1, fail_at: int = -1) -> None:
+        self.n, self.die_at, self.fail_at = n, die_at, fail_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index == self.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if index == self.fail_at:
+            raise ValueError(f"unreadable file for {index}")
+        return {"i": index, "sq": np.full(4, index * index), "tag": f"t{index % 3}"}

@@ -85,7 +85,7 @@ def test_the_python_package_has_no_import_cycle() -> None:
 # (without a cycle) and from the layers below, never from one above.
 PYTHON_LAYERS = [
     {"__init__", "_version_check"},
-    {"errors", "roots", "progress", "serialize", "metadata", "plugins"},
+    {"errors", "roots", "progress", "serialize", "metadata", "plugins", "processes"},
     {"registry", "verify", "caches", "build"},
     {"pipeline", "collate", "workers", "loader", "summary", "namespace"},
     {"bench", "cli", "demo"},

@@ -14,7 +14,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["build.py", "--records", "300", "--rounds", "1"], ["serialize only", "drt.cache"]),
+        (
+            ["build.py", "--records", "300", "--rounds", "1"],
+            ["serialize only", "drt.cache", "dataset: num_proc=2"],
+        ),
         (["metadata.py", "--rows", "20000", "--rounds", "1"], ["native Polars", ".drt.balance"]),
         (
             ["loader.py", "--records", "2000", "--draws", "2000", "--rounds", "1", "--smoke"],

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing.process
+import signal
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
 
+import cloudpickle
 import polars as pl
 
 from dataset_rt import _native, registry
@@ -16,16 +21,24 @@ from dataset_rt.errors import (
     CacheNotFoundError,
     MetadataError,
     SerializationError,
+    WorkerError,
 )
 from dataset_rt.metadata import MetadataCollector
+from dataset_rt.processes import SpawnContext
 from dataset_rt.progress import BuildProgress
 from dataset_rt.roots import PathLike, resolve_root
 from dataset_rt.serialize import Decoder, SerializerSpec, as_bytes, resolve_serializer
 
 __all__ = ["append", "cache"]
 
+PARTS_DIR = "parts"
+
 DEFAULT_SHARD_SIZE = 256 << 20
 DEFAULT_ALIGNMENT = 16
+
+
+class _Progress(Protocol):
+    def update(self, records: int) -> None: ...
 
 
 class MapStyle(Protocol):
@@ -60,6 +73,7 @@ def cache(
     progress: bool = True,
     shard_size: int = DEFAULT_SHARD_SIZE,
     alignment: int | None = None,
+    num_proc: int | None = None,
 ) -> Cache:
     """Caches the records of ``source`` once under ``name``, or reuses that cache.
 
@@ -106,6 +120,15 @@ def cache(
         Every record starts at a multiple of this many bytes in its shard; default 16.
         Records whose arrays are stored out of band (by the default serializer) start at
         multiples of 64 whatever this says, so that their arrays are read in place.
+    num_proc
+        Serialize and write with this many processes (default: this one alone). The source
+        must have ``__len__`` and ``__getitem__`` (a list, a NumPy array, a map-style
+        dataset): each process reads its contiguous share of indices and writes it as a
+        part of the cache, and ``metadata`` runs there. The source, ``metadata`` and a
+        custom ``serializer`` travel to the processes with cloudpickle, so a dataset should
+        pickle cheaply (file paths, not loaded data); lists and arrays send each process its
+        slice only. The cache holds the same records and metadata under the same sample
+        ids for any ``num_proc``.
 
     Returns
     -------
@@ -123,13 +146,19 @@ def cache(
         ``name`` is empty, contains a path separator, or other characters not allowed.
     CacheCorruptError
         A cache of this name exists but is damaged (pass ``overwrite=True`` to replace it).
+    WorkerError
+        A process of a ``num_proc`` build died; nothing was built.
     """
+    if num_proc is not None and (
+        not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1
+    ):
+        raise ArgumentError(f"num_proc must be a positive int or None, got {num_proc!r}")
     if not isinstance(name, str):
         raise ArgumentError(f"name must be a str, not {type(name).__name__}")
     _native.validate_name(name)
     if shard_size < 1024:
         raise ArgumentError(f"shard_size must be at least 1024 bytes, got {shard_size}")
-    ser_name, dumps = resolve_serializer(serializer)
+    resolve_serializer(serializer)  # an unknown one is refused before anything is written
     if alignment is None:
         # Records with out-of-band arrays start at multiples of 64 whatever this says (the
         # writer's rule), so that the arrays are viewed in place; the others gain nothing
@@ -158,9 +187,8 @@ def cache(
             now = _try_open_or_explain(root_path, name, decode)
             if now is not None:
                 return now
-        _build(
-            store, lock, name, source, metadata, ser_name, dumps, progress, shard_size, alignment
-        )
+        options = _Options(name, metadata, serializer, progress, shard_size, alignment)
+        _build(store, lock, source, options, num_proc or 1)
     finally:
         lock.release()
     return Cache(registry.open_reader(root_path, name), root_path, decode)
@@ -305,20 +333,25 @@ class _ByIndex:
     IndexError, which many datasets never raise (they wrap around, or fail otherwise).
     """
 
-    def __init__(self, source: Any) -> None:
-        self.source = source
+    def __init__(self, source: Any, start: int = 0, stop: int | None = None, base: int = 0) -> None:
+        # Records ``source[start:stop]``; ``base + i`` is record i's index in the whole
+        # source (``source`` may be a slice of it, sent to another process).
+        self.source, self.start, self.base = source, start, base
+        self.stop = len(source) if stop is None else stop
 
     def __len__(self) -> int:
-        return len(self.source)
+        return self.stop - self.start
 
     def __iter__(self) -> Iterator[Any]:
         source = self.source
-        for index in range(len(source)):
+        for index in range(self.start, self.stop):
             try:
                 record = source[index]
             except Exception as exc:
                 if hasattr(exc, "add_note"):  # Python 3.11+
-                    exc.add_note(f"while reading record {index} of the source ({source!r:.80})")
+                    exc.add_note(
+                        f"while reading record {self.base + index} of the source ({source!r:.80})"
+                    )
                 raise
             yield record
 
@@ -359,15 +392,18 @@ def _write_records(
     ser_name: str,
     metadata: Callable[[Any], Mapping[str, Any]] | None,
     collector: MetadataCollector,
-    bar: BuildProgress,
+    bar: _Progress,
+    first: int = 0,
 ) -> int:
     """Serializes each record and hands its bytes to ``append``; returns the count.
 
-    Metadata goes to ``collector``; errors name the record by its position in ``records``.
+    Metadata goes to ``collector``; errors name the record by its position in the whole
+    source, ``records`` being its part from index ``first`` on.
     """
     add_metadata = collector.add
-    index = -1
-    for index, record in enumerate(records):
+    count = 0
+    for count, record in enumerate(records, 1):
+        index = first + count - 1
         try:
             data = dumps(record)
         except Exception as exc:
@@ -383,31 +419,51 @@ def _write_records(
             except Exception as exc:
                 raise MetadataError(f"metadata() raised on record {index}: {exc!r}") from exc
             add_metadata(index, values)
-        bar.update(index + 1)
-    return index + 1
+        bar.update(count)
+    return count
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How a build writes its records (the arguments of :func:`cache` that say so)."""
+
+    name: str
+    metadata: Callable[[Any], Mapping[str, Any]] | None
+    serializer: SerializerSpec
+    progress: bool
+    shard_size: int
+    alignment: int
 
 
 def _build(
-    store: _native.Store,
-    lock: _native.BuildLock,
-    name: str,
-    source: Source,
-    metadata: Callable[[Any], Mapping[str, Any]] | None,
-    ser_name: str,
-    dumps: Callable[[Any], Any],
-    progress: bool,
-    shard_size: int,
-    alignment: int,
+    store: _native.Store, lock: _native.BuildLock, source: Source, options: _Options, procs: int
 ) -> None:
     records = _records(source)
-    builder = store.begin_build(lock, shard_size, alignment)
+    if procs > 1:
+        indexed: Any = records.source if isinstance(records, _ByIndex) else records
+        if not _indexable(indexed):
+            raise ArgumentError(
+                f"num_proc={procs} needs a source with __len__ and __getitem__ (a list, an "
+                f"array, a map-style dataset), not {type(indexed).__name__}: each process "
+                "reads its share by index. Pass num_proc=None to read it in order here"
+            )
+        if len(indexed) > 1:
+            _build_parallel(store, lock, indexed, options, min(procs, len(indexed)))
+            return
+    ser_name, dumps = resolve_serializer(options.serializer)
+    builder = store.begin_build(lock, options.shard_size, options.alignment)
     collector = MetadataCollector()
     bar = BuildProgress(
-        name, nbytes=lambda: builder.nbytes, enabled=progress, total=_length(records)
+        options.name,
+        nbytes=lambda: builder.nbytes,
+        enabled=options.progress,
+        total=_length(records),
     )
     ok = False
     try:
-        count = _write_records(records, builder.append, dumps, ser_name, metadata, collector, bar)
+        count = _write_records(
+            records, builder.append, dumps, ser_name, options.metadata, collector, bar
+        )
         bar.settle(count)
         frame = collector.frame(builder.cache_id, builder.num_samples)
         frame.write_parquet(builder.metadata_path)
@@ -418,3 +474,190 @@ def _build(
         if not ok:
             builder.abort()
         bar.close(ok=ok)
+
+
+# -- parallel builds ------------------------------------------------------------------------
+@dataclass
+class _Worker:
+    """A process writing records ``lo`` to ``hi - 1`` as part ``relative`` of the build."""
+
+    process: multiprocessing.process.BaseProcess
+    results: Connection
+    counts: Any  # a shared array: records and bytes written so far
+    lo: int
+    hi: int
+
+    def failure(self) -> BaseException | None:
+        """Why the process ended without a part, if it did (it is not waited for)."""
+        code = self.process.exitcode
+        if code is None or code == 0:
+            return None
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        return WorkerError(
+            f"the process writing records {self.lo} to {self.hi - 1} died ({how}); "
+            "nothing was built"
+        )
+
+
+class _Shared:
+    """The build's progress: this process's records plus the workers'."""
+
+    def __init__(self, bar: BuildProgress, workers: list[_Worker]) -> None:
+        self.bar, self.workers, self.own = bar, workers, 0
+
+    def update(self, records: int) -> None:
+        self.own = records
+        if records % 1024 == 0:
+            for worker in self.workers:
+                failure = worker.failure()
+                if failure is not None:
+                    raise failure
+            self.refresh()
+
+    def refresh(self) -> None:
+        self.bar.update(self.own + sum(w.counts[0] for w in self.workers))
+
+    def nbytes(self) -> int:
+        return sum(w.counts[1] for w in self.workers)
+
+
+def _share(source: Any, lo: int, hi: int) -> tuple[Any, int, int, int]:
+    """What a worker needs to read records ``lo`` to ``hi - 1``: (object, start, stop, base).
+
+    Lists, tuples and arrays are sliced, so that each process is sent its records only;
+    other sources (datasets that load records from files) are sent whole.
+    """
+    if isinstance(source, list | tuple) or type(source).__module__ == "numpy":
+        return source[lo:hi], 0, hi - lo, lo
+    return source, lo, hi, 0
+
+
+def _build_parallel(
+    store: _native.Store,
+    lock: _native.BuildLock,
+    source: Any,
+    options: _Options,
+    procs: int,
+) -> None:
+    n = len(source)
+    bounds = [n * j // procs for j in range(procs + 1)]
+    ser_name, dumps = resolve_serializer(options.serializer)
+    builder = store.begin_build(lock, options.shard_size, options.alignment)
+    context = SpawnContext()
+    workers: list[_Worker] = []
+    bar = BuildProgress(
+        options.name,
+        nbytes=lambda: builder.nbytes + shared.nbytes(),
+        enabled=options.progress,
+        total=n,
+    )
+    shared = _Shared(bar, workers)
+    layout = (options.shard_size, options.alignment)
+    ok = False
+    try:
+        for j in range(1, procs):
+            lo, hi = bounds[j], bounds[j + 1]
+            payload = cloudpickle.dumps(
+                (_share(source, lo, hi), options.serializer, options.metadata)
+            )
+            receive, send = context.Pipe(duplex=False)
+            counts = context.Array("q", 2, lock=False)
+            process = context.Process(
+                target=_write_part,
+                args=(payload, str(builder.path), f"{PARTS_DIR}/{j:05d}", layout, counts, send),
+                name=f"dataset_rt build {options.name} part {j}",
+                daemon=True,
+            )
+            process.start()
+            send.close()
+            workers.append(_Worker(process, receive, counts, lo, hi))
+        collector = MetadataCollector()
+        own = _ByIndex(source, 0, bounds[1])
+        count = _write_records(
+            own, builder.append, dumps, ser_name, options.metadata, collector, shared
+        )
+        parts = []
+        for worker in workers:
+            part, part_metadata = _result_of(worker, shared)
+            parts.append(part)
+            collector.merge(part_metadata, worker.lo)
+        shared.own = count
+        shared.refresh()
+        bar.settle(n)
+        frame = collector.frame(builder.cache_id, n)
+        frame.write_parquet(builder.metadata_path)
+        write_version_plan(builder.plan_path, frame)
+        builder.finish(ser_name, parts)
+        ok = True
+    finally:
+        for worker in workers:
+            if worker.process.is_alive():
+                worker.process.kill()
+            worker.process.join()
+            worker.results.close()
+        if not ok:
+            builder.abort()
+        bar.close(ok=ok)
+
+
+def _result_of(worker: _Worker, shared: _Shared) -> tuple[str, MetadataCollector]:
+    """The part a worker wrote and its metadata, once it is done; raises what it raised."""
+    while not worker.results.poll(0.2):
+        shared.refresh()
+        failure = worker.failure()
+        if failure is not None:
+            raise failure
+    try:
+        outcome = worker.results.recv()
+    except EOFError:  # it died between its last write and its answer
+        worker.process.join()
+        raise worker.failure() or WorkerError(
+            f"the process writing records {worker.lo} to {worker.hi - 1} ended without "
+            "its part; nothing was built"
+        ) from None
+    if outcome[0] == "error":
+        raise outcome[1]
+    return outcome[1], outcome[2]
+
+
+def _write_part(
+    payload: bytes,
+    build_dir: str,
+    relative: str,
+    layout: tuple[int, int],
+    counts: Any,
+    results: Connection,
+) -> None:
+    """A parallel build's worker: writes its share of the records as one part."""
+    try:
+        (source, start, stop, base), serializer, metadata = cloudpickle.loads(payload)
+        ser_name, dumps = resolve_serializer(serializer)
+        writer = _native.PartWriter(build_dir, relative, *layout)
+        first = base + start
+
+        class Counter:
+            @staticmethod
+            def update(records: int) -> None:
+                counts[0] = records
+                if records % 256 == 0:
+                    counts[1] = writer.nbytes
+
+        collector = MetadataCollector()
+        _write_records(
+            _ByIndex(source, start, stop, base),
+            writer.append,
+            dumps,
+            ser_name,
+            metadata,
+            collector,
+            Counter(),
+            first=first,
+        )
+        results.send(("ok", writer.finish(), collector))
+    except BaseException as exc:
+        try:
+            results.send(("error", exc))
+        except Exception:  # an exception that does not pickle
+            results.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+    finally:
+        results.close()

@@ -74,6 +74,32 @@ class MetadataCollector:
         self._types = [None] * len(self._keys)
         return self._keys
 
+    def merge(self, other: MetadataCollector, first: int) -> None:
+        """Appends the rows ``other`` collected for the records from index ``first`` on.
+
+        ``other`` is another process's share of a parallel build.
+        """
+        if other._keys is None:
+            return
+        if self._keys is None:
+            self._keys, self._types = other._keys, list(other._types)
+            self._rows.extend(other._rows)
+            return
+        if other._keys != self._keys:
+            raise MetadataError(
+                f"metadata() returned different keys for the records from {first} on "
+                f"({list(other._keys)}) than for the records before them ({list(self._keys)})"
+            )
+        for column, (seen, kind) in enumerate(zip(self._types, other._types, strict=True)):
+            if seen is not None and kind is not None and kind is not seen:
+                raise MetadataError(
+                    f"metadata key {self._keys[column]!r} is {kind.__name__} in the records "
+                    f"from {first} on but {seen.__name__} in earlier records; a column keeps "
+                    "one type"
+                )
+            self._types[column] = seen or kind
+        self._rows.extend(other._rows)
+
     def add(self, index: int, values: object) -> None:
         """Adds the metadata of record ``index``."""
         if type(values) is dict and tuple(values) == self._keys:

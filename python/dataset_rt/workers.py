@@ -24,7 +24,6 @@ How workers start, and why:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing
 import multiprocessing.context
@@ -46,6 +45,7 @@ import torch.utils.data as tud
 from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, WorkerError
 from dataset_rt.pipeline import LoaderSpec, assemble
+from dataset_rt.processes import ForkServerContext, SpawnContext
 
 __all__ = ["DEFAULT_START_TIMEOUT", "pack", "start_timeout", "worker_batches"]
 
@@ -179,78 +179,10 @@ class _WorkerStream(tud.IterableDataset[Any]):
             yield out, len(batch), batch.nbytes, times
 
 
-# -- starting processes without the main module ---------------------------------------------
-_launching = threading.Lock()
-
-
-@contextlib.contextmanager
-def _main_module_left_alone() -> Iterator[None]:
-    """While a worker is launched, tell it not to import the parent's ``__main__``.
-
-    ``multiprocessing`` has no switch for this: the data a new process prepares itself from
-    comes from ``spawn.get_preparation_data``, which both start methods call by module
-    attribute. It is replaced only for the duration of one launch, under a lock, and only
-    for the launching thread.
-    """
-    with _launching:
-        original = multiprocessing.spawn.get_preparation_data
-        launcher = threading.get_ident()
-
-        def without_main(name: str) -> dict[str, Any]:
-            data: dict[str, Any] = original(name)
-            # Another thread starting a process of its own meanwhile gets what it asked for.
-            if threading.get_ident() == launcher:
-                data.pop("init_main_from_name", None)
-                data.pop("init_main_from_path", None)
-            return data
-
-        multiprocessing.spawn.get_preparation_data = without_main
-        try:
-            yield
-        finally:
-            multiprocessing.spawn.get_preparation_data = original
-
-
-class _MainModuleLeftAlone:
-    """Mixed into a start method's ``Popen``: its launch leaves the main module alone."""
-
-    def _launch(self, process_obj: Any) -> None:
-        with _main_module_left_alone():
-            super()._launch(process_obj)  # type: ignore[misc]  # the Popen it is mixed into
-
-
-class _ForkServerPopen(_MainModuleLeftAlone, multiprocessing.popen_forkserver.Popen):
-    pass
-
-
-class _SpawnPopen(_MainModuleLeftAlone, multiprocessing.popen_spawn_posix.Popen):
-    pass
-
-
-class _ForkServerProcess(multiprocessing.context.ForkServerProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return _ForkServerPopen(process_obj)
-
-
-class _SpawnProcess(multiprocessing.context.SpawnProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return _SpawnPopen(process_obj)
-
-
-class _ForkServerContext(multiprocessing.context.ForkServerContext):
-    Process = _ForkServerProcess
-
-
-class _SpawnContext(multiprocessing.context.SpawnContext):
-    Process = _SpawnProcess
-
-
 def _context() -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return _SpawnContext()
-    context = _ForkServerContext()
+        return SpawnContext()
+    context = ForkServerContext()
     # Workers fork from a server that has already imported PyTorch and this module, so each
     # epoch's workers start in milliseconds instead of importing PyTorch again. (This only
     # takes effect if the process's fork server is not running yet.)

@@ -105,7 +105,7 @@ impl AppendSession {
         let writer = self.writer.take().ok_or_else(ended)?;
         let mut placed: Option<PathBuf> = None;
         let committed = (|| {
-            let mut part = writer.finish_part()?;
+            let part = writer.finish_part()?;
             crash_point("append-part-written");
             let (first, tmp, dir) = (self.first, &self.tmp, &self.dir);
             self.save.commit_with(lock, |manifest| {
@@ -121,13 +121,7 @@ impl AppendSession {
                 placed = Some(target);
                 sync_dir(&dir.join(PARTS_DIR))?;
                 crash_point("append-part-moved");
-                for entry in part
-                    .shards
-                    .iter_mut()
-                    .chain(std::iter::once(&mut part.index))
-                {
-                    entry.file = format!("{relative}/{}", entry.file);
-                }
+                let part = part.relocated(&relative);
                 manifest.num_samples += part.num_samples;
                 manifest.nbytes += part.nbytes;
                 manifest.parts.push(part);

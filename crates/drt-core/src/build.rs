@@ -7,9 +7,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, IoContext, Result};
 use crate::faults::crash_point;
-use crate::format::{new_cache_id, sync_file, Manifest};
+use crate::format::{new_cache_id, sync_file, Manifest, Part};
 use crate::metadata::FIRST_VERSION;
 use crate::store::{BuildLock, Store};
 use crate::write_behind::WriteBehind;
@@ -88,6 +88,18 @@ impl BuildSession {
     /// Writes the index and the manifest and publishes the cache under its name. On any
     /// failure the build directory is removed and the cache of that name, if any, stays.
     pub fn finish(&mut self, lock: &BuildLock, serializer: String) -> Result<()> {
+        self.finish_with_parts(lock, serializer, Vec::new())
+    }
+
+    /// [`finish`](Self::finish) for a build whose later records other processes wrote as
+    /// `parts` in the build directory (see [`PartWriter`]; paths relative to the build
+    /// directory): their samples follow this session's own, in order.
+    pub fn finish_with_parts(
+        &mut self,
+        lock: &BuildLock,
+        serializer: String,
+        parts: Vec<Part>,
+    ) -> Result<()> {
         let writer = self.writer.take().ok_or_else(ended)?;
         let info = ManifestInfo {
             name: self.name.clone(),
@@ -104,7 +116,15 @@ impl BuildSession {
             if plan.is_file() {
                 sync_file(&plan)?;
             }
-            writer.finish(info)?;
+            let mut manifest = writer.finish(info)?;
+            if !parts.is_empty() {
+                for part in parts {
+                    manifest.num_samples += part.num_samples;
+                    manifest.nbytes += part.nbytes;
+                    manifest.parts.push(part);
+                }
+                manifest.write(&self.dir)?;
+            }
             self.store.publish(lock, &self.dir)
         })();
         if published.is_err() {
@@ -117,6 +137,49 @@ impl BuildSession {
     pub fn discard(&mut self) -> Result<()> {
         self.writer = None;
         self.store.discard(&self.dir)
+    }
+}
+
+/// Writes one part of a build in another process (a parallel build's worker): records go
+/// into `<build dir>/<relative>/`, and [`finish`](Self::finish) gives the part for
+/// [`BuildSession::finish_with_parts`].
+pub struct PartWriter {
+    relative: String,
+    writer: Option<WriteBehind>,
+}
+
+impl PartWriter {
+    /// Starts writing part directory `relative` (such as `parts/00001`) of build directory
+    /// `build_dir`.
+    pub fn create(build_dir: &Path, relative: &str, opts: WriteOptions) -> Result<Self> {
+        let dir = build_dir.join(relative);
+        std::fs::create_dir_all(&dir).at(&dir)?;
+        let writer = CacheWriter::create_part(&dir, opts).and_then(WriteBehind::spawn)?;
+        Ok(Self {
+            relative: relative.to_string(),
+            writer: Some(writer),
+        })
+    }
+
+    /// Records appended so far.
+    pub fn num_samples(&self) -> u64 {
+        self.writer.as_ref().map_or(0, WriteBehind::num_samples)
+    }
+
+    /// Bytes appended so far.
+    pub fn nbytes(&self) -> u64 {
+        self.writer.as_ref().map_or(0, WriteBehind::nbytes)
+    }
+
+    /// Appends one serialized record; returns its position in the part.
+    pub fn append(&mut self, record: &[u8]) -> Result<u64> {
+        self.writer.as_mut().ok_or_else(ended)?.append(record)
+    }
+
+    /// Writes the part's index; returns the part, paths relative to the build directory.
+    pub fn finish(&mut self) -> Result<Part> {
+        let writer = self.writer.take().ok_or_else(ended)?;
+        Ok(writer.finish_part()?.relocated(&self.relative))
     }
 }
 

@@ -77,6 +77,32 @@ pub struct Part {
     pub nbytes: u64,
 }
 
+impl Part {
+    /// The part as JSON, to hand from the process that wrote it to the one that lists it.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// A part from [`to_json`](Self::to_json)'s text.
+    pub fn from_json(text: &str) -> Result<Part> {
+        serde_json::from_str(text)
+            .map_err(|e| Error::InvalidArgument(format!("not a part description: {e}")))
+    }
+
+    /// The part with its files' paths, relative to the part's directory, made relative to
+    /// the cache directory instead (`relative` being the part's directory there).
+    pub fn relocated(mut self, relative: &str) -> Part {
+        for entry in self
+            .shards
+            .iter_mut()
+            .chain(std::iter::once(&mut self.index))
+        {
+            entry.file = format!("{relative}/{}", entry.file);
+        }
+        self
+    }
+}
+
 /// One run of a cache's samples with its own shards and index: the build's, or a part's.
 #[derive(Debug, Clone, Copy)]
 pub struct Segment<'a> {

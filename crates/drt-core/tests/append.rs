@@ -124,3 +124,42 @@ fn a_part_left_unlisted_by_a_dead_append_is_cleared_by_the_next() {
     let reader = CacheReader::open(&dir).unwrap();
     assert_eq!(reader.record(3).unwrap(), records(3..4)[0].as_slice());
 }
+
+#[test]
+fn a_build_lists_the_parts_other_writers_put_in_its_directory() {
+    use drt_core::build::PartWriter;
+    let root = tempfile::tempdir().unwrap();
+    let store = Store::new(root.path());
+    let lock = store.lock("parallel", || Ok(())).unwrap().0;
+    let opts = WriteOptions {
+        shard_size: 1024,
+        alignment: 16,
+    };
+    let mut session = BuildSession::begin(&store, &lock, opts).unwrap();
+    let all = records(0..30);
+    let mut parts = Vec::new();
+    for (number, range) in [(1, 10..22), (2, 22..30)] {
+        let relative = format!("parts/{number:05}");
+        let mut writer = PartWriter::create(session.dir(), &relative, opts).unwrap();
+        for (i, record) in all[range].iter().enumerate() {
+            assert_eq!(writer.append(record).unwrap(), i as u64);
+        }
+        let part = writer.finish().unwrap();
+        assert!(part.index.file.starts_with(&relative));
+        parts.push(drt_core::format::Part::from_json(&part.to_json()).unwrap());
+    }
+    for record in &all[..10] {
+        session.append(record).unwrap();
+    }
+    std::fs::write(session.metadata_path(), b"table").unwrap();
+    session
+        .finish_with_parts(&lock, "pickle".into(), parts)
+        .unwrap();
+    let dir = store.cache_dir("parallel").unwrap();
+    let reader = CacheReader::open(&dir).unwrap();
+    assert_eq!(reader.len(), 30);
+    for (id, record) in all.iter().enumerate() {
+        assert_eq!(reader.record(id as u64).unwrap(), record.as_slice());
+    }
+    assert!(verify(&dir, |_| Ok(())).unwrap().problems.is_empty());
+}

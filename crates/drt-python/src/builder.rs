@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 
 use drt_core::append::AppendSession;
-use drt_core::build::BuildSession;
+use drt_core::build::{BuildSession, PartWriter};
+use drt_core::format::Part;
+use drt_core::writer::WriteOptions;
 use pyo3::prelude::*;
 
 use crate::errors::{run, to_py};
@@ -80,12 +82,18 @@ impl PyCacheBuilder {
         append_record(py, record, |r| self.session.append(r))
     }
 
-    /// Writes the index and manifest and publishes the cache under its name.
-    fn finish(&mut self, py: Python<'_>, serializer: String) -> PyResult<()> {
+    /// Writes the index and manifest and publishes the cache under its name, listing the
+    /// `parts` other processes wrote into the build directory (`PartWriter.finish` texts).
+    #[pyo3(signature = (serializer, parts=Vec::new()))]
+    fn finish(&mut self, py: Python<'_>, serializer: String, parts: Vec<String>) -> PyResult<()> {
         let lock = self.lock.clone_ref(py);
         run(py, || {
+            let parts = parts
+                .iter()
+                .map(|text| Part::from_json(text))
+                .collect::<drt_core::Result<Vec<_>>>()?;
             lock.get()
-                .with(|held| self.session.finish(held, serializer))
+                .with(|held| self.session.finish_with_parts(held, serializer, parts))
         })
     }
 
@@ -154,5 +162,51 @@ impl PyAppendSession {
     /// Removes what was written; the cache is untouched.
     fn abort(&mut self, py: Python<'_>) -> PyResult<()> {
         run(py, || self.session.discard())
+    }
+}
+
+/// One part of a parallel build, written by a worker process into the build directory.
+#[pyclass(name = "PartWriter", module = "dataset_rt._native")]
+pub struct PyPartWriter {
+    writer: PartWriter,
+}
+
+#[pymethods]
+impl PyPartWriter {
+    /// Starts writing part directory `relative` of build directory `build_dir`.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        build_dir: PathBuf,
+        relative: String,
+        shard_size: u64,
+        alignment: u64,
+    ) -> PyResult<Self> {
+        let opts = WriteOptions {
+            shard_size,
+            alignment,
+        };
+        let writer = run(py, || PartWriter::create(&build_dir, &relative, opts))?;
+        Ok(Self { writer })
+    }
+
+    #[getter]
+    fn num_samples(&self) -> u64 {
+        self.writer.num_samples()
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.writer.nbytes()
+    }
+
+    /// Appends one serialized record; returns its position in the part.
+    fn append(&mut self, py: Python<'_>, record: &[u8]) -> PyResult<u64> {
+        append_record(py, record, |r| self.writer.append(r))
+    }
+
+    /// Writes the part's index; returns the part's description for `CacheBuilder.finish`.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
+        run(py, || self.writer.finish().map(|part| part.to_json()))
     }
 }

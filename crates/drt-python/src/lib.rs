@@ -35,6 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<lock::PyBuildLock>()?;
     m.add_class::<builder::PyCacheBuilder>()?;
     m.add_class::<builder::PyAppendSession>()?;
+    m.add_class::<builder::PyPartWriter>()?;
     m.add_class::<reader::PyCacheReader>()?;
     m.add_class::<manifest::PyManifest>()?;
     m.add_class::<loader::PySchedule>()?;
