@@ -10,17 +10,19 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_smoke_run_measures_every_installed_system(tmp_path: Path) -> None:
+def _run(script: str, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """Runs ``bench/<script>`` with its data and its JSON report under ``tmp_path``."""
     report_path = tmp_path / "report.json"
     done = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench" / "run.py"),
-            "--smoke",
+            str(REPO / "bench" / script),
+            *args,
             "--root",
             str(tmp_path / "data"),
             "--json",
@@ -32,7 +34,11 @@ def test_smoke_run_measures_every_installed_system(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(report_path.read_text())
+    return done, json.loads(report_path.read_text())
+
+
+def test_smoke_run_measures_every_installed_system(tmp_path: Path) -> None:
+    done, report = _run("run.py", tmp_path, "--smoke")
     systems = report["systems"]
     assert {"dataset_rt", "mmap", "list"} <= set(systems)
     for workload in ("small", "large"):
@@ -53,27 +59,7 @@ def test_smoke_run_measures_every_installed_system(tmp_path: Path) -> None:
 
 
 def test_scale_workload_measures_both_systems_at_each_size(tmp_path: Path) -> None:
-    report_path = tmp_path / "scale.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "scale.py"),
-            "--sizes",
-            "3000,6000",
-            "--rounds",
-            "1",
-            "--root",
-            str(tmp_path / "data"),
-            "--json",
-            str(report_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(report_path.read_text())
+    done, report = _run("scale.py", tmp_path, "--sizes", "3000,6000", "--rounds", "1")
     assert set(report) == {"3000", "6000"}
     for size, results in report.items():
         assert set(results) == {"dataset_rt", "mmap"}, size

@@ -573,16 +573,12 @@ def _build_parallel(
             workers.append(_Worker(process, receive, counts, lo, hi))
         collector = MetadataCollector()
         own = _ByIndex(source, 0, bounds[1])
-        count = _write_records(
-            own, builder.append, dumps, ser_name, options.metadata, collector, shared
-        )
+        _write_records(own, builder.append, dumps, ser_name, options.metadata, collector, shared)
         parts = []
         for worker in workers:
             part, part_metadata = _result_of(worker, shared)
             parts.append(part)
             collector.merge(part_metadata, worker.lo)
-        shared.own = count
-        shared.refresh()
         bar.settle(n)
         frame = collector.frame(builder.cache_id, n)
         frame.write_parquet(builder.metadata_path)

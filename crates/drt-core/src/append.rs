@@ -121,10 +121,7 @@ impl AppendSession {
                 placed = Some(target);
                 sync_dir(&dir.join(PARTS_DIR))?;
                 crash_point("append-part-moved");
-                let part = part.relocated(&relative);
-                manifest.num_samples += part.num_samples;
-                manifest.nbytes += part.nbytes;
-                manifest.parts.push(part);
+                manifest.add_part(part.relocated(&relative));
                 Ok(())
             })
         })();

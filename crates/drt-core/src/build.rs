@@ -106,6 +106,7 @@ impl BuildSession {
             cache_id: self.cache_id.clone(),
             serializer,
             metadata_version: FIRST_VERSION,
+            parts,
         };
         let (table, plan) = (self.metadata_path(), self.plan_path());
         let published = (|| {
@@ -116,15 +117,7 @@ impl BuildSession {
             if plan.is_file() {
                 sync_file(&plan)?;
             }
-            let mut manifest = writer.finish(info)?;
-            if !parts.is_empty() {
-                for part in parts {
-                    manifest.num_samples += part.num_samples;
-                    manifest.nbytes += part.nbytes;
-                    manifest.parts.push(part);
-                }
-                manifest.write(&self.dir)?;
-            }
+            writer.finish(info)?;
             self.store.publish(lock, &self.dir)
         })();
         if published.is_err() {

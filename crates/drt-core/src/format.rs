@@ -235,6 +235,14 @@ impl Manifest {
         segments
     }
 
+    /// Lists `part` after the cache's records, which it joins: its samples get the next
+    /// sample ids.
+    pub fn add_part(&mut self, part: Part) {
+        self.num_samples += part.num_samples;
+        self.nbytes += part.nbytes;
+        self.parts.push(part);
+    }
+
     /// The relative path of the directory of part `number` (1 for the first appended).
     pub fn part_dir(number: usize) -> String {
         format!("{PARTS_DIR}/{number:05}")

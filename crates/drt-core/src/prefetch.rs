@@ -482,6 +482,7 @@ mod tests {
             cache_id: "000000000000".into(),
             serializer: "pickle".into(),
             metadata_version: 1,
+            parts: Vec::new(),
         })
         .unwrap();
         CacheReader::open(dir).unwrap()

@@ -317,6 +317,7 @@ pub(crate) mod tests {
             cache_id: "0123456789ab".into(),
             serializer: "pickle".into(),
             metadata_version: 1,
+            parts: Vec::new(),
         })
         .unwrap()
     }

@@ -196,6 +196,7 @@ mod tests {
                 cache_id: "000000000000".into(),
                 serializer: "pickle".into(),
                 metadata_version: 1,
+                parts: Vec::new(),
             })
             .unwrap();
         assert_eq!(manifest.num_samples, 3000);

@@ -75,6 +75,9 @@ pub struct ManifestInfo {
     pub serializer: String,
     /// The metadata version written into the build directory.
     pub metadata_version: u32,
+    /// Parts other writers put in the build directory (paths relative to it), whose
+    /// records follow this writer's.
+    pub parts: Vec<Part>,
 }
 
 struct OpenShard {
@@ -265,7 +268,7 @@ impl CacheWriter {
             plan_checksums.insert(info.metadata_version, checksum_hex(plan_digest));
         }
         let written = self.finish_part()?;
-        let manifest = Manifest {
+        let mut manifest = Manifest {
             format_version: FORMAT_VERSION,
             name: info.name,
             cache_id: info.cache_id,
@@ -283,6 +286,9 @@ impl CacheWriter {
             metadata_checksums: [(info.metadata_version, checksum_hex(metadata_digest))].into(),
             plan_checksums,
         };
+        for part in info.parts {
+            manifest.add_part(part);
+        }
         crate::format::sync_dir(&self.dir.join(METADATA_DIR))?;
         manifest.write(&self.dir)?;
         Ok(manifest)

@@ -47,6 +47,7 @@ fn build(dir: &Path) -> Manifest {
             cache_id: "0123456789ab".into(),
             serializer: "pickle".into(),
             metadata_version: 1,
+            parts: Vec::new(),
         })
         .unwrap()
 }
