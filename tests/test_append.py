@@ -177,21 +177,25 @@ def test_append_errors_name_what_is_wrong(base: drt.Cache) -> None:
 # A child that appends 40 records to "growing" and is killed at the engine's kill point
 # named by $DATASET_RT_TEST_KILL_AT (see CONTRIBUTING.md).
 APPEND_AND_DIE = """
+import os
 from helpers import record
 import dataset_rt as drt
-drt.append("growing", [record(i) for i in range(30, 70)], progress=False)
+drt.append("growing", [record(i) for i in range(30, 70)], progress=False,
+           num_proc=int(os.environ["NUM_PROC"]))
 print("finished")
 """
 
 
+@pytest.mark.parametrize("num_proc", [1, 3])
 @pytest.mark.parametrize(
     "kill_at", ["append-part-written", "append-part-moved", "metadata-renamed"]
 )
 def test_a_killed_append_leaves_the_cache_as_it_was_and_the_next_one_clears_it(
-    base: drt.Cache, kill_at: str
+    base: drt.Cache, kill_at: str, num_proc: int
 ) -> None:
     table, files = base.metadata, _digests(base)
-    child = python_child(APPEND_AND_DIE, {"DATASET_RT_TEST_KILL_AT": kill_at})
+    env = {"DATASET_RT_TEST_KILL_AT": kill_at, "NUM_PROC": str(num_proc)}
+    child = python_child(APPEND_AND_DIE, env)
     out, err = child.communicate(timeout=120)
     assert child.returncode == -signal.SIGKILL, (child.returncode, out, err)
     kept = drt.open("growing")
@@ -240,3 +244,35 @@ def test_verify_names_damage_in_a_part_by_cache_wide_sample_ids(base: drt.Cache)
     damaged = [p for p in report.problems if "fail their checksum" in p.message]
     assert [p.file for p in damaged] == ["parts/00001/shards/00000.bin"]
     assert damaged[0].sample_ids == [39]
+
+
+def test_an_append_in_several_processes_gives_the_same_records_and_metadata(
+    base: drt.Cache,
+) -> None:
+    def meta(r: dict[str, object]) -> dict[str, object]:
+        return {"label": r["label"], "weight": 2.0}
+
+    new = [record(i) for i in range(30, 131)]
+    drt.cache([record(i) for i in range(30)], "twin", metadata=lambda r: {"label": r["label"]})
+    one = drt.append("twin", new, metadata=meta, progress=False)
+    many = drt.append("growing", new, metadata=meta, num_proc=3, progress=False)
+    assert (many.num_parts, one.num_parts) == (4, 2)
+    assert [many.get_bytes(i) for i in range(131)] == [one.get_bytes(i) for i in range(131)]
+    assert many.metadata.drop("cache_id").equals(one.metadata.drop("cache_id"))
+    assert drt.verify("growing", progress=False).ok
+    loader = many.metadata.drt.loader(batch_size=50, shuffle=False, collate=list)
+    assert [_i(r) for b in loader for r in b] == list(range(131))
+    with pytest.raises(ArgumentError, match=r"num_proc=2 needs a source with __len__"):
+        drt.append("growing", (record(i) for i in range(3)), num_proc=2, progress=False)
+
+
+def test_a_killed_worker_fails_the_append_and_leaves_the_cache_as_it_was(
+    base: drt.Cache,
+) -> None:
+    from helpers import Squares
+
+    table, files = base.metadata, _digests(base)
+    with pytest.raises(drt.errors.WorkerError, match=r"records 50 to 99 died \(signal SIGKILL\)"):
+        drt.append("growing", Squares(100, die_at=70), num_proc=2, progress=False)
+    assert _unchanged(drt.open("growing"), table, files)
+    assert not any((base.path / "parts").iterdir())

@@ -36,6 +36,32 @@ PARTS_DIR = "parts"
 DEFAULT_SHARD_SIZE = 256 << 20
 DEFAULT_ALIGNMENT = 16
 
+Compression = str | tuple[str, int] | None
+"""``None``, ``"zstd"``, ``("zstd", level)`` or ``"lz4"``: how :func:`cache` compresses."""
+
+
+def compression_args(compression: Compression) -> tuple[str, int | None]:
+    """``compression`` as the native writer takes it: a codec name and a zstd level.
+
+    Raises :class:`ArgumentError` for anything else, naming it; the native writer checks the
+    level's range.
+    """
+    if compression is None:
+        return "none", None
+    if compression in ("zstd", "lz4"):
+        return str(compression), None
+    if (
+        isinstance(compression, tuple)
+        and len(compression) == 2
+        and compression[0] == "zstd"
+        and isinstance(compression[1], int)
+        and not isinstance(compression[1], bool)
+    ):
+        return "zstd", compression[1]
+    raise ArgumentError(
+        f'compression must be None, "zstd", ("zstd", level) or "lz4", got {compression!r}'
+    )
+
 
 class _Progress(Protocol):
     def update(self, records: int) -> None: ...
@@ -74,6 +100,7 @@ def cache(
     shard_size: int = DEFAULT_SHARD_SIZE,
     alignment: int | None = None,
     num_proc: int | None = None,
+    compression: Compression = None,
 ) -> Cache:
     """Caches the records of ``source`` once under ``name``, or reuses that cache.
 
@@ -129,6 +156,12 @@ def cache(
         pickle cheaply (file paths, not loaded data); lists and arrays send each process its
         slice only. The cache holds the same records and metadata under the same sample
         ids for any ``num_proc``.
+    compression
+        Compress each record: ``"zstd"`` (level 3), ``("zstd", level)`` with a level from 1
+        to 22 (or negative, faster still), or ``"lz4"`` (fastest to decode). Default
+        ``None``: records are stored as serialized and read in place. Records of a
+        compressed cache are decompressed by the native reading threads, and their arrays
+        are decoded into memory of their own rather than viewed in the mapped shard.
 
     Returns
     -------
@@ -149,16 +182,14 @@ def cache(
     WorkerError
         A process of a ``num_proc`` build died; nothing was built.
     """
-    if num_proc is not None and (
-        not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1
-    ):
-        raise ArgumentError(f"num_proc must be a positive int or None, got {num_proc!r}")
+    procs = _check_num_proc(num_proc)
     if not isinstance(name, str):
         raise ArgumentError(f"name must be a str, not {type(name).__name__}")
     _native.validate_name(name)
     if shard_size < 1024:
         raise ArgumentError(f"shard_size must be at least 1024 bytes, got {shard_size}")
     resolve_serializer(serializer)  # an unknown one is refused before anything is written
+    codec = compression_args(compression)
     if alignment is None:
         # Records with out-of-band arrays start at multiples of 64 whatever this says (the
         # writer's rule), so that the arrays are viewed in place; the others gain nothing
@@ -187,8 +218,8 @@ def cache(
             now = _try_open_or_explain(root_path, name, decode)
             if now is not None:
                 return now
-        options = _Options(name, metadata, serializer, progress, shard_size, alignment)
-        _build(store, lock, source, options, num_proc or 1)
+        options = _Options(name, metadata, serializer, progress, shard_size, alignment, codec)
+        _build(store, lock, source, options, procs)
     finally:
         lock.release()
     return Cache(registry.open_reader(root_path, name), root_path, decode)
@@ -200,6 +231,7 @@ def append(
     *,
     root: PathLike | None = None,
     metadata: Callable[[Any], Mapping[str, Any]] | None = None,
+    num_proc: int | None = None,
     progress: bool = True,
 ) -> Cache:
     """Adds the records of ``source`` to cache ``name``; returns the grown cache.
@@ -226,6 +258,10 @@ def append(
     metadata
         ``metadata(record) -> dict`` of primitive attributes for the new rows, as for
         :func:`cache`.
+    num_proc
+        Serialize and write with this many processes, as :func:`cache` does: the source must
+        have ``__len__`` and ``__getitem__``, and each process's share becomes a part of its
+        own. The records get the same sample ids for any ``num_proc``.
     progress
         Show a progress line while writing.
 
@@ -245,6 +281,7 @@ def append(
         A record could not be serialized, or its metadata stored; the message names its
         position in ``source``. Nothing is appended.
     """
+    procs = _check_num_proc(num_proc)
     if not isinstance(name, str):
         raise ArgumentError(f"name must be a str, not {type(name).__name__}")
     _native.validate_name(name)
@@ -258,20 +295,50 @@ def append(
                 f"({cache.serializer.removeprefix('custom:')}); append supports the named "
                 "serializers (pickle, pickle-inband, dill) only: rebuild it with drt.cache"
             )
-        ser_name, dumps = resolve_serializer(cache.serializer)  # type: ignore[arg-type]
+        manifest = store.manifest(name)
+        options = _Options(
+            name,
+            metadata,
+            cache.serializer,  # type: ignore[arg-type]
+            progress,
+            DEFAULT_SHARD_SIZE,
+            manifest.alignment,
+            (manifest.compression, manifest.compression_level),
+        )
+        ser_name, dumps = resolve_serializer(options.serializer)
         live = cache.metadata
         records = _records(source)
+        indexed = _parallel_source(records, procs)
         session = store.begin_append(lock, cache.cache_id, DEFAULT_SHARD_SIZE)
-        collector = MetadataCollector()
-        bar = BuildProgress(
-            name, nbytes=lambda: session.nbytes, enabled=progress, total=_length(records)
-        )
-        ok = False
-        try:
-            count = _write_records(
-                records, session.append, dumps, ser_name, metadata, collector, bar
+        shared = None
+        if indexed is not None:
+            shared = _Shared(options, len(indexed), own_nbytes=lambda: session.nbytes)
+            bar = shared.bar
+        else:
+            bar = BuildProgress(
+                name, nbytes=lambda: session.nbytes, enabled=progress, total=_length(records)
             )
-            bar.settle(count)
+        ok = False
+        count = 0
+        try:
+            parts: list[str] = []
+            if shared is not None and indexed is not None:
+                parts, collector = _write_shares(
+                    indexed,
+                    min(procs, len(indexed)),
+                    options,
+                    session.append,
+                    str(session.staging_dir),
+                    shared,
+                    _native.AppendSession.staged_part,
+                )
+                count = len(indexed)
+            else:
+                collector = MetadataCollector()
+                count = _write_records(
+                    records, session.append, dumps, ser_name, metadata, collector, bar
+                )
+                bar.settle(count)
             if count:
                 added = collector.frame(cache.cache_id, count).with_columns(
                     pl.col("sample_id") + session.first
@@ -279,9 +346,11 @@ def append(
                 table = _appended_table(live, added, name)
                 table.write_parquet(session.metadata_path)
                 write_version_plan(session.plan_path, table)
-                session.commit()
+                session.commit(parts)
             ok = True
         finally:
+            if shared is not None:
+                shared.stop()
             if not ok or not count:  # nothing to commit: the empty part goes
                 session.abort()
             bar.close(ok=ok)
@@ -354,6 +423,31 @@ class _ByIndex:
                     )
                 raise
             yield record
+
+
+def _parallel_source(records: Iterable[Any], procs: int) -> Any | None:
+    """The sized, indexable source that ``procs`` processes share out, if they do.
+
+    None when one process writes ``records``: one process asked for, or one record or none.
+    """
+    if procs < 2:
+        return None
+    indexed: Any = records.source if isinstance(records, _ByIndex) else records
+    if not _indexable(indexed):
+        raise ArgumentError(
+            f"num_proc={procs} needs a source with __len__ and __getitem__ (a list, an "
+            f"array, a map-style dataset), not {type(indexed).__name__}: each process "
+            "reads its share by index. Pass num_proc=None to read it in order here"
+        )
+    return indexed if len(indexed) > 1 else None
+
+
+def _check_num_proc(num_proc: object) -> int:
+    if num_proc is None:
+        return 1
+    if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
+        raise ArgumentError(f"num_proc must be a positive int or None, got {num_proc!r}")
+    return num_proc
 
 
 def _indexable(source: object) -> bool:
@@ -433,25 +527,24 @@ class _Options:
     progress: bool
     shard_size: int
     alignment: int
+    compression: tuple[str, int | None] = ("none", None)
+
+    @property
+    def layout(self) -> tuple[int, int, str, int | None]:
+        """How the native writers lay records out: shard size, alignment, compression."""
+        return (self.shard_size, self.alignment, *self.compression)
 
 
 def _build(
     store: _native.Store, lock: _native.BuildLock, source: Source, options: _Options, procs: int
 ) -> None:
     records = _records(source)
-    if procs > 1:
-        indexed: Any = records.source if isinstance(records, _ByIndex) else records
-        if not _indexable(indexed):
-            raise ArgumentError(
-                f"num_proc={procs} needs a source with __len__ and __getitem__ (a list, an "
-                f"array, a map-style dataset), not {type(indexed).__name__}: each process "
-                "reads its share by index. Pass num_proc=None to read it in order here"
-            )
-        if len(indexed) > 1:
-            _build_parallel(store, lock, indexed, options, min(procs, len(indexed)))
-            return
+    indexed = _parallel_source(records, procs)
+    if indexed is not None:
+        _build_parallel(store, lock, indexed, options, min(procs, len(indexed)))
+        return
     ser_name, dumps = resolve_serializer(options.serializer)
-    builder = store.begin_build(lock, options.shard_size, options.alignment)
+    builder = store.begin_build(lock, *options.layout)
     collector = MetadataCollector()
     bar = BuildProgress(
         options.name,
@@ -500,10 +593,17 @@ class _Worker:
 
 
 class _Shared:
-    """The build's progress: this process's records plus the workers'."""
+    """The progress of a build in several processes: this one's records plus the workers'."""
 
-    def __init__(self, bar: BuildProgress, workers: list[_Worker]) -> None:
-        self.bar, self.workers, self.own = bar, workers, 0
+    def __init__(self, options: _Options, total: int, own_nbytes: Callable[[], int]) -> None:
+        self.workers: list[_Worker] = []
+        self.own = 0
+        self.bar = BuildProgress(
+            options.name,
+            nbytes=lambda: own_nbytes() + sum(w.counts[1] for w in self.workers),
+            enabled=options.progress,
+            total=total,
+        )
 
     def update(self, records: int) -> None:
         self.own = records
@@ -517,8 +617,13 @@ class _Shared:
     def refresh(self) -> None:
         self.bar.update(self.own + sum(w.counts[0] for w in self.workers))
 
-    def nbytes(self) -> int:
-        return sum(w.counts[1] for w in self.workers)
+    def stop(self) -> None:
+        """Kills the workers still running (after a failure) and waits for every one."""
+        for worker in self.workers:
+            if worker.process.is_alive():
+                worker.process.kill()
+            worker.process.join()
+            worker.results.close()
 
 
 def _share(source: Any, lo: int, hi: int) -> tuple[Any, int, int, int]:
@@ -540,60 +645,76 @@ def _build_parallel(
     procs: int,
 ) -> None:
     n = len(source)
-    bounds = [n * j // procs for j in range(procs + 1)]
-    ser_name, dumps = resolve_serializer(options.serializer)
-    builder = store.begin_build(lock, options.shard_size, options.alignment)
-    context = SpawnContext()
-    workers: list[_Worker] = []
-    bar = BuildProgress(
-        options.name,
-        nbytes=lambda: builder.nbytes + shared.nbytes(),
-        enabled=options.progress,
-        total=n,
-    )
-    shared = _Shared(bar, workers)
-    layout = (options.shard_size, options.alignment)
+    ser_name = resolve_serializer(options.serializer)[0]
+    builder = store.begin_build(lock, *options.layout)
+    shared = _Shared(options, n, own_nbytes=lambda: builder.nbytes)
     ok = False
     try:
-        for j in range(1, procs):
-            lo, hi = bounds[j], bounds[j + 1]
-            payload = cloudpickle.dumps(
-                (_share(source, lo, hi), options.serializer, options.metadata)
-            )
-            receive, send = context.Pipe(duplex=False)
-            counts = context.Array("q", 2, lock=False)
-            process = context.Process(
-                target=_write_part,
-                args=(payload, str(builder.path), f"{PARTS_DIR}/{j:05d}", layout, counts, send),
-                name=f"dataset_rt build {options.name} part {j}",
-                daemon=True,
-            )
-            process.start()
-            send.close()
-            workers.append(_Worker(process, receive, counts, lo, hi))
-        collector = MetadataCollector()
-        own = _ByIndex(source, 0, bounds[1])
-        _write_records(own, builder.append, dumps, ser_name, options.metadata, collector, shared)
-        parts = []
-        for worker in workers:
-            part, part_metadata = _result_of(worker, shared)
-            parts.append(part)
-            collector.merge(part_metadata, worker.lo)
-        bar.settle(n)
+        parts, collector = _write_shares(
+            source,
+            procs,
+            options,
+            builder.append,
+            str(builder.path),
+            shared,
+            lambda j: f"{PARTS_DIR}/{j:05d}",
+        )
         frame = collector.frame(builder.cache_id, n)
         frame.write_parquet(builder.metadata_path)
         write_version_plan(builder.plan_path, frame)
         builder.finish(ser_name, parts)
         ok = True
     finally:
-        for worker in workers:
-            if worker.process.is_alive():
-                worker.process.kill()
-            worker.process.join()
-            worker.results.close()
+        shared.stop()
         if not ok:
             builder.abort()
-        bar.close(ok=ok)
+        shared.bar.close(ok=ok)
+
+
+def _write_shares(
+    source: Any,
+    procs: int,
+    options: _Options,
+    append: Callable[[bytes], int],
+    target: str,
+    shared: _Shared,
+    relative: Callable[[int], str],
+) -> tuple[list[str], MetadataCollector]:
+    """Writes ``source`` in ``procs`` contiguous shares; returns the parts and the metadata.
+
+    The first share goes through ``append`` here, each other one is written by a spawned
+    process as part ``relative(j)`` of directory ``target``. The parts' descriptions come
+    in order, and the metadata covers every record. The caller stops the processes
+    (``shared.stop()``) however this ends.
+    """
+    n = len(source)
+    bounds = [n * j // procs for j in range(procs + 1)]
+    ser_name, dumps = resolve_serializer(options.serializer)
+    context = SpawnContext()
+    for j in range(1, procs):
+        lo, hi = bounds[j], bounds[j + 1]
+        payload = cloudpickle.dumps((_share(source, lo, hi), options.serializer, options.metadata))
+        receive, send = context.Pipe(duplex=False)
+        counts = context.Array("q", 2, lock=False)
+        process = context.Process(
+            target=_write_part,
+            args=(payload, target, relative(j), options.layout, counts, send),
+            name=f"dataset_rt build {options.name} part {j}",
+            daemon=True,
+        )
+        process.start()
+        send.close()
+        shared.workers.append(_Worker(process, receive, counts, lo, hi))
+    collector = MetadataCollector()
+    own = _ByIndex(source, 0, bounds[1])
+    _write_records(own, append, dumps, ser_name, options.metadata, collector, shared)
+    parts = []
+    for worker in shared.workers:
+        part, part_metadata = _result_of(worker, shared)
+        parts.append(part)
+        collector.merge(part_metadata, worker.lo)
+    shared.bar.settle(n)
+    return parts, collector
 
 
 def _result_of(worker: _Worker, shared: _Shared) -> tuple[str, MetadataCollector]:
@@ -620,7 +741,7 @@ def _write_part(
     payload: bytes,
     build_dir: str,
     relative: str,
-    layout: tuple[int, int],
+    layout: tuple[int, int, str, int | None],
     counts: Any,
     results: Connection,
 ) -> None:

@@ -110,6 +110,22 @@ class Cache:
         return self._manifest.nbytes
 
     @property
+    def compression(self) -> str | tuple[str, int] | None:
+        """How records are compressed, as ``drt.cache(compression=...)`` takes it.
+
+        ``None``, ``("zstd", level)`` or ``"lz4"``.
+        """
+        codec, level = self._manifest.compression, self._manifest.compression_level
+        if codec == "none":
+            return None
+        return (codec, level) if level is not None else codec
+
+    @property
+    def nbytes_on_disk(self) -> int:
+        """Bytes of the payload shard files: after compression, padding included."""
+        return self._manifest.shard_bytes
+
+    @property
     def num_shards(self) -> int:
         """Number of payload shard files."""
         return self._manifest.num_shards
@@ -460,6 +476,7 @@ class Cache:
             ("shards", str(self.num_shards)),
             ("parts", str(self.num_parts)),
             ("serializer", self.serializer),
+            ("compression", describe_compression(self)),
             ("cache_id", self.cache_id),
             ("created", self.created_at.strftime("%Y-%m-%d %H:%M:%S UTC")),
             ("path", str(self.path)),
@@ -486,6 +503,16 @@ class Cache:
             f"<tr><th style='text-align:left'>metadata</th><td style='text-align:left'>"
             f"{schema}</td></tr></table></div>"
         )
+
+
+def describe_compression(cache: Cache) -> str:
+    """The codec and what it saved, for ``info`` and the notebook view."""
+    spec = cache.compression
+    if spec is None:
+        return "none"
+    codec = f"{spec[0]} level {spec[1]}" if isinstance(spec, tuple) else spec
+    ratio = cache.nbytes / max(cache.nbytes_on_disk, 1)
+    return f"{codec}: {format_bytes(cache.nbytes_on_disk)} on disk ({ratio:.2f}x smaller)"
 
 
 def saved_plan(frame: object, verify: bool = False) -> tuple[Cache, str, str, int] | None:

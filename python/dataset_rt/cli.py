@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import polars as pl
 
-from dataset_rt.caches import list_caches, open
+from dataset_rt.caches import describe_compression, list_caches, open
 from dataset_rt.errors import ArgumentError, DatasetRTError
 from dataset_rt.progress import format_bytes
 from dataset_rt.serialize import describe_serializer
@@ -58,6 +58,7 @@ def _info(args: argparse.Namespace) -> None:
     parts = f", {c.num_parts} parts" if c.num_parts > 1 else ""
     print(f"size        {format_bytes(c.nbytes)} in {c.num_shards} shard(s){parts}")
     print(f"serializer  {c.serializer} ({describe_serializer(c.serializer)})")
+    print(f"compression {describe_compression(c)}")
     print(f"created     {c.created_at:%Y-%m-%d %H:%M:%S} UTC")
     versions = c.metadata_versions()["version"].to_list()
     print(f"metadata    version {c.metadata_version} (saved: {', '.join(map(str, versions))})")

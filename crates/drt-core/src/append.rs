@@ -1,17 +1,19 @@
 //! Appending records to a published cache: a new part, committed with a new metadata version.
 //!
-//! An [`AppendSession`] writes the records into a hidden directory under `parts/`, while the
-//! caller writes the new metadata table (the old rows and the new ones) where the session's
-//! metadata save says. `commit` moves the part into place as `parts/NNNNN/` and writes the
-//! manifest listing it and the new live version in one atomic step; until then readers see
-//! the cache as it was, and a crash at any point leaves it so (the next append clears what
-//! the dead one left). Existing files are never touched.
+//! An [`AppendSession`] writes the records into a hidden staging directory under `parts/`
+//! (its own part as `00000/`, and parts that other processes write with a
+//! [`PartWriter`](crate::build::PartWriter) as `00001/` and on), while the caller writes the
+//! new metadata table (the old rows and the new ones) where the session's metadata save
+//! says. `commit` moves each part into place as `parts/NNNNN/` and writes the manifest
+//! listing them and the new live version in one atomic step; until then readers see the
+//! cache as it was, and a crash at any point leaves it so (the next append clears what the
+//! dead one left). Existing files are never touched.
 
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, IoContext, Result};
 use crate::faults::crash_point;
-use crate::format::{new_cache_id, sync_dir, Manifest, PARTS_DIR};
+use crate::format::{new_cache_id, sync_dir, Manifest, Part, PARTS_DIR};
 use crate::metadata::{current, MetadataSave};
 use crate::store::{BuildLock, Store};
 use crate::write_behind::WriteBehind;
@@ -42,12 +44,14 @@ impl AppendSession {
         std::fs::create_dir_all(&parts).at(&parts)?;
         clear_leftovers(&parts, manifest.parts.len())?;
         let tmp = parts.join(format!(".tmp-{}-{}", std::process::id(), new_cache_id()?));
-        std::fs::create_dir(&tmp).at(&tmp)?;
+        let own = tmp.join(Self::staged_part(0));
+        std::fs::create_dir_all(&own).at(&own)?;
         let opts = WriteOptions {
             shard_size,
             alignment: manifest.alignment,
+            compression: manifest.codec()?,
         };
-        let writer = match CacheWriter::create_part(&tmp, opts).and_then(WriteBehind::spawn) {
+        let writer = match CacheWriter::create_part(&own, opts).and_then(WriteBehind::spawn) {
             Ok(writer) => writer,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&tmp);
@@ -64,6 +68,18 @@ impl AppendSession {
             writer: Some(writer),
             save,
         })
+    }
+
+    /// The staging directory: parts written by other processes go into
+    /// [`staged_part(j)`](Self::staged_part) under it, for `j` from 1.
+    pub fn staging_dir(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// The directory, relative to the staging directory, of staged part `j`: 0 is the
+    /// session's own, whose records come first.
+    pub fn staged_part(j: usize) -> String {
+        format!("{j:05}")
     }
 
     /// The sample id of the first appended record: the cache's sample count before.
@@ -102,10 +118,19 @@ impl AppendSession {
     /// the live version, listing the part, in one manifest write; returns the version. On
     /// any failure the cache stays as it was.
     pub fn commit(&mut self, lock: &BuildLock) -> Result<u32> {
+        self.commit_with_parts(lock, Vec::new())
+    }
+
+    /// [`commit`](Self::commit), listing after the session's own part the `staged` parts
+    /// that other processes wrote into the staging directory (their paths relative to it,
+    /// as a [`PartWriter`](crate::build::PartWriter) there returns them), in order.
+    pub fn commit_with_parts(&mut self, lock: &BuildLock, staged: Vec<Part>) -> Result<u32> {
         let writer = self.writer.take().ok_or_else(ended)?;
-        let mut placed: Option<PathBuf> = None;
+        let mut placed: Vec<PathBuf> = Vec::new();
         let committed = (|| {
-            let part = writer.finish_part()?;
+            let own = writer.finish_part()?.relocated(&Self::staged_part(0));
+            let mut parts = vec![own];
+            parts.extend(staged);
             crash_point("append-part-written");
             let (first, tmp, dir) = (self.first, &self.tmp, &self.dir);
             self.save.commit_with(lock, |manifest| {
@@ -115,26 +140,31 @@ impl AppendSession {
                         manifest.num_samples
                     )));
                 }
-                let relative = Manifest::part_dir(manifest.parts.len() + 1);
-                let target = dir.join(&relative);
-                std::fs::rename(tmp, &target).at(&target)?;
-                placed = Some(target);
+                for part in parts {
+                    let staged = part_dir_of(&part.index.file).to_string();
+                    let relative = Manifest::part_dir(manifest.parts.len() + 1);
+                    let target = dir.join(&relative);
+                    std::fs::rename(tmp.join(&staged), &target).at(&target)?;
+                    placed.push(target);
+                    manifest.add_part(part.moved(&staged, &relative)?);
+                }
                 sync_dir(&dir.join(PARTS_DIR))?;
                 crash_point("append-part-moved");
-                manifest.add_part(part.relocated(&relative));
                 Ok(())
             })
         })();
+        // Empty once committed: every part moved out of it.
+        let _ = std::fs::remove_dir_all(&self.tmp);
         if committed.is_err() {
-            let _ = std::fs::remove_dir_all(&self.tmp);
-            // The part's directory goes too, unless the manifest lists it after all.
-            if let Some(target) = placed {
-                let listed = current(&self.store, &self.name, &self.cache_id).is_ok_and(|m| {
-                    m.parts
-                        .iter()
-                        .any(|p| target.ends_with(part_dir_of(&p.index.file)))
-                });
-                if !listed {
+            // The parts' directories go too, unless the manifest lists them after all.
+            let listed = current(&self.store, &self.name, &self.cache_id)
+                .map(|m| m.parts)
+                .unwrap_or_default();
+            for target in placed {
+                if !listed
+                    .iter()
+                    .any(|p| target.ends_with(part_dir_of(&p.index.file)))
+                {
                     let _ = std::fs::remove_dir_all(&target);
                 }
             }

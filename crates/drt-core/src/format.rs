@@ -14,6 +14,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::compress::Codec;
 use crate::error::{Error, IoContext, Result};
 
 /// The format version this build writes, and the newest it reads.
@@ -22,8 +23,10 @@ use crate::error::{Error, IoContext, Result};
 /// recorded the default one (protocol 5 with out-of-band buffers) as `pickle-oob` and plain
 /// in-band pickle as `pickle`; such manifests are read into the version 2 names, and written
 /// back as version 2 when they are next committed. Version 3 adds `parts`: records appended
-/// after the build, each part with shards and an index of its own.
-pub const FORMAT_VERSION: u64 = 3;
+/// after the build, each part with shards and an index of its own. Version 4 adds compressed
+/// records (`compression` other than `none`); an uncompressed cache is still written as
+/// version 3, so that releases that read version 3 keep reading it.
+pub const FORMAT_VERSION: u64 = 4;
 /// The name of the manifest file inside a cache directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The name of the index file inside a cache directory.
@@ -41,6 +44,8 @@ pub const OOB_MAGIC: &[u8; 8] = b"DRTOOB01";
 /// it within a shard (for the `pickle` serializer) and within a batch's buffer, so that an
 /// array viewed in place is as aligned as when it was written.
 pub const RECORD_ALIGN: usize = 64;
+// Arrays decoded from a compressed record are as aligned as those viewed in a shard.
+const _: () = assert!(crate::compress::DECODED_ALIGN == RECORD_ALIGN);
 /// Buffers of at least this many bytes are stored out of band, and records holding them are
 /// left in their mapped shard by loaders rather than copied into the batch.
 pub const MIN_OUT_OF_BAND: usize = 64 * 1024;
@@ -103,6 +108,32 @@ impl Part {
     }
 }
 
+impl Part {
+    /// The part with its files' paths moved from directory `from` to directory `to` (both
+    /// relative to the cache directory): what [`relocated`](Self::relocated) did, redone.
+    pub fn moved(self, from: &str, to: &str) -> Result<Part> {
+        let mut moved = self;
+        for entry in moved
+            .shards
+            .iter_mut()
+            .chain(std::iter::once(&mut moved.index))
+        {
+            let Some(inner) = entry
+                .file
+                .strip_prefix(from)
+                .and_then(|f| f.strip_prefix('/'))
+            else {
+                return Err(Error::InvalidArgument(format!(
+                    "part file {:?} is not in directory {from:?}",
+                    entry.file
+                )));
+            };
+            entry.file = format!("{to}/{inner}");
+        }
+        Ok(moved)
+    }
+}
+
 /// One run of a cache's samples with its own shards and index: the build's, or a part's.
 #[derive(Debug, Clone, Copy)]
 pub struct Segment<'a> {
@@ -134,8 +165,11 @@ pub struct Manifest {
     /// How the records were serialized: `pickle` (protocol 5, large buffers out of band),
     /// `pickle-inband`, `dill`, or `custom:<qualified name>`.
     pub serializer: String,
-    /// Compression of the records; `none` is the only one so far.
+    /// How each record is compressed: `none`, `zstd` or `lz4` (see [`crate::compress`]).
     pub compression: String,
+    /// The zstd level records were compressed at (for appends to use it too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression_level: Option<i32>,
     /// UTC creation time, ISO 8601.
     pub created_at: String,
     /// The build's payload shards in id order.
@@ -193,9 +227,15 @@ impl Manifest {
         Ok(manifest)
     }
 
-    /// Writes the manifest into `dir` atomically (temporary file, fsync, rename).
+    /// Writes the manifest into `dir` atomically (temporary file, fsync, rename), as the
+    /// oldest format version that holds it.
     pub fn write(&self, dir: &Path) -> Result<()> {
-        let text = serde_json::to_vec_pretty(self)
+        let oldest = if self.compression == "none" { 3 } else { 4 };
+        let written = Manifest {
+            format_version: oldest,
+            ..self.clone()
+        };
+        let text = serde_json::to_vec_pretty(&written)
             .map_err(|e| Error::Internal(format!("cannot encode manifest: {e}")))?;
         write_atomic(&dir.join(MANIFEST_FILE), &text)
     }
@@ -211,6 +251,11 @@ impl Manifest {
             self.serializer = renamed.to_string();
         }
         self.format_version = FORMAT_VERSION;
+    }
+
+    /// How the records are compressed.
+    pub fn codec(&self) -> Result<Codec> {
+        Codec::parse(&self.compression, self.compression_level)
     }
 
     /// The build's records and each part's, in sample order.
@@ -265,12 +310,9 @@ impl Manifest {
             "alignment {} is not a power of two up to 4096",
             self.alignment
         );
-        crate::ensure_intact!(
-            self.compression == "none",
-            path,
-            "unknown compression {:?}",
-            self.compression
-        );
+        if let Err(e) = self.codec() {
+            return Err(Error::corrupt(path, e.to_string()));
+        }
         let appended = self
             .parts
             .iter()

@@ -11,6 +11,7 @@
 
 pub mod append;
 pub mod build;
+pub mod compress;
 pub mod error;
 pub mod faults;
 pub mod format;

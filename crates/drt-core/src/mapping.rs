@@ -90,10 +90,20 @@ impl Drop for MappedFile {
     }
 }
 
-/// A record's bytes in its mapped shard, keeping the mapping alive.
+/// What a [`Span`] reads from.
+#[derive(Clone)]
+enum Backing {
+    /// A mapped shard: the record as stored.
+    Mapped(Arc<MappedFile>),
+    /// A record decoded from a compressed shard into memory of its own.
+    Decoded(Arc<crate::compress::Decoded>),
+}
+
+/// A record's bytes, keeping what holds them alive: its mapped shard, or for a compressed
+/// cache its decoded copy.
 #[derive(Clone)]
 pub struct Span {
-    file: Arc<MappedFile>,
+    backing: Backing,
     start: usize,
     end: usize,
 }
@@ -102,22 +112,46 @@ impl Span {
     /// Bytes `start..end` of `file`, which the caller has checked lie inside it.
     pub(crate) fn new(file: Arc<MappedFile>, start: usize, end: usize) -> Self {
         debug_assert!(start <= end && end <= file.len());
-        Self { file, start, end }
+        Self {
+            backing: Backing::Mapped(file),
+            start,
+            end,
+        }
+    }
+
+    /// All of a decoded record.
+    pub(crate) fn decoded(record: crate::compress::Decoded) -> Self {
+        let end = record.bytes().len();
+        Self {
+            backing: Backing::Decoded(Arc::new(record)),
+            start: 0,
+            end,
+        }
     }
 
     /// The record's bytes.
     pub fn bytes(&self) -> &[u8] {
-        &self.file[self.start..self.end]
+        match &self.backing {
+            Backing::Mapped(file) => &file[self.start..self.end],
+            Backing::Decoded(record) => &record.bytes()[self.start..self.end],
+        }
     }
 
-    /// Whether the bytes may be read outside guarded sections.
+    /// Whether the bytes may be read outside guarded sections: always for a decoded record.
     pub fn viewable(&self) -> bool {
-        self.file.viewable()
+        match &self.backing {
+            Backing::Mapped(file) => file.viewable(),
+            Backing::Decoded(_) => true,
+        }
     }
 
-    /// Whether a view found the file shrunk: some of its pages read as zeros now.
+    /// Whether a view found the file shrunk: some of its pages read as zeros now. Never for a
+    /// decoded record, whose bytes are its own.
     pub fn shrank(&self) -> bool {
-        self.file.shrank()
+        match &self.backing {
+            Backing::Mapped(file) => file.shrank(),
+            Backing::Decoded(_) => false,
+        }
     }
 }
 

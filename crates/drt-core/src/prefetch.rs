@@ -543,6 +543,7 @@ mod tests {
         let opts = WriteOptions {
             shard_size: 256 << 20,
             alignment: 64,
+            ..WriteOptions::default()
         };
         crate::reader::tests::build(dir.path(), &records, opts);
         let ids: Vec<u64> = (0..12).collect();

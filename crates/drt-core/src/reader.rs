@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use crate::compress::Codec;
 use crate::error::{Error, IoContext, Result};
 use crate::format::{checksum_hex, FileEntry, Manifest, SHARD_HEADER_LEN, SHARD_MAGIC};
 use crate::index::{Index, Location};
@@ -30,6 +31,8 @@ struct Segment {
 pub struct CacheReader {
     dir: PathBuf,
     manifest: Manifest,
+    /// How records are stored: read in place, or decoded into memory of their own.
+    codec: Codec,
     /// In sample order; the build's first. Opening costs one index mapping per part.
     segments: Vec<Segment>,
     /// Set once a mapped file of this cache was found to have shrunk: some of its pages may
@@ -110,6 +113,7 @@ impl CacheReader {
     /// Opens the cache in directory `dir`.
     pub fn open(dir: &Path) -> Result<Self> {
         let manifest = Manifest::read(dir)?;
+        let codec = manifest.codec()?;
         let segments = manifest
             .segments()
             .into_iter()
@@ -118,6 +122,7 @@ impl CacheReader {
         Ok(Self {
             dir: dir.to_path_buf(),
             manifest,
+            codec,
             segments,
             poisoned: AtomicBool::new(false),
         })
@@ -146,29 +151,24 @@ impl CacheReader {
         )
     }
 
-    /// A copy of record `sample_id`'s bytes, checked against its checksum if `verify`. A
-    /// shard truncated under the mapping yields an error instead of SIGBUS.
+    /// A copy of record `sample_id`'s bytes (decoded, for a compressed cache), checked against
+    /// its checksum if `verify`. A shard truncated under the mapping yields an error instead
+    /// of SIGBUS.
     pub fn copy_record(&self, sample_id: u64, verify: bool) -> Result<Vec<u8>> {
         self.guarded_record(sample_id, verify, <[u8]>::to_vec)
     }
 
-    /// `copy(bytes)` of record `sample_id`'s bytes, checked against its checksum if
-    /// `verify`. `copy` runs while the mapping is guarded: a shard truncated under it yields
-    /// an error instead of SIGBUS.
+    /// `copy(bytes)` of record `sample_id`'s bytes (decoded, for a compressed cache),
+    /// checked against its checksum if `verify`. `copy` runs while the mapping is guarded: a
+    /// shard truncated under it yields an error instead of SIGBUS.
     pub fn guarded_record<T>(
         &self,
         sample_id: u64,
         verify: bool,
         copy: impl FnOnce(&[u8]) -> T,
     ) -> Result<T> {
-        let (result, faulted) = crate::sigbus::guarded(|| {
-            let bytes = if verify {
-                self.record_verified(sample_id)?
-            } else {
-                self.record(sample_id)?
-            };
-            Ok(copy(bytes))
-        });
+        let (result, faulted) =
+            crate::sigbus::guarded(|| Ok(copy(self.span(sample_id, verify)?.bytes())));
         if faulted {
             self.poison();
             return Err(self.shrank());
@@ -247,17 +247,30 @@ impl CacheReader {
         Ok((loc, shard))
     }
 
-    /// Record `sample_id` as a span of its mapped shard, checked against its checksum if
-    /// `verify`. Reading its bytes outside a guarded section is safe only if it is
+    /// How the cache's records are compressed.
+    pub fn codec(&self) -> Codec {
+        self.codec
+    }
+
+    /// Record `sample_id` as a span of its mapped shard, or for a compressed cache of its
+    /// decoded bytes, checked against its checksum (of the stored bytes) if `verify`. Must run
+    /// in a guarded section; reading its bytes outside one is safe only if it is
     /// [`Span::viewable`].
     pub fn span(&self, sample_id: u64, verify: bool) -> Result<Span> {
         let (loc, shard) = self.checked_location(sample_id)?;
         let end = (loc.offset + loc.length) as usize;
-        let span = Span::new(shard.map.clone(), loc.offset as usize, end);
+        let stored = &shard.map[loc.offset as usize..end];
         if verify {
-            check_digest(sample_id, &loc, shard, span.bytes())?;
+            check_digest(sample_id, &loc, shard, stored)?;
         }
-        Ok(span)
+        if self.codec.is_none() {
+            return Ok(Span::new(shard.map.clone(), loc.offset as usize, end));
+        }
+        let decoded = self
+            .codec
+            .decompress(stored)
+            .map_err(|why| Error::corrupt(&shard.path, format!("sample_id {sample_id}: {why}")))?;
+        Ok(Span::decoded(decoded))
     }
 
     /// [`span`](Self::span) in a guarded section: a shard that shrank under the read (with
@@ -271,13 +284,15 @@ impl CacheReader {
         result
     }
 
-    /// The bytes of record `sample_id`, viewed in the mapped shard.
+    /// The bytes of record `sample_id` as stored (compressed, for a compressed cache), viewed
+    /// in the mapped shard.
     pub fn record(&self, sample_id: u64) -> Result<&[u8]> {
         let (loc, shard) = self.checked_location(sample_id)?;
         Ok(&shard.map[loc.offset as usize..(loc.offset + loc.length) as usize])
     }
 
-    /// The bytes of record `sample_id`, after checking them against the index's checksum.
+    /// The bytes of record `sample_id` as stored, after checking them against the index's
+    /// checksum.
     pub fn record_verified(&self, sample_id: u64) -> Result<&[u8]> {
         let (loc, shard) = self.checked_location(sample_id)?;
         let bytes = &shard.map[loc.offset as usize..(loc.offset + loc.length) as usize];
@@ -334,6 +349,7 @@ pub(crate) mod tests {
         let opts = WriteOptions {
             shard_size: 4096,
             alignment: 64,
+            ..WriteOptions::default()
         };
         build(dir.path(), &records(50), opts);
         let first = CacheReader::open(dir.path()).unwrap();
@@ -374,6 +390,7 @@ pub(crate) mod tests {
         let opts = WriteOptions {
             shard_size: 4096,
             alignment: 64,
+            ..WriteOptions::default()
         };
         let manifest = build(dir.path(), &recs, opts);
         assert!(manifest.shards.len() > 10, "{}", manifest.shards.len());
@@ -399,6 +416,7 @@ pub(crate) mod tests {
             let opts = WriteOptions {
                 shard_size: 8192,
                 alignment,
+                ..WriteOptions::default()
             };
             let manifest = build(&sub, &recs, opts);
             let reader = CacheReader::open(&sub).unwrap();
@@ -434,6 +452,7 @@ pub(crate) mod tests {
         let opts = WriteOptions {
             shard_size: 1 << 20,
             alignment: 1,
+            ..WriteOptions::default()
         };
         build(dir.path(), &recs, opts);
         let reader = CacheReader::open(dir.path()).unwrap();
@@ -451,6 +470,7 @@ pub(crate) mod tests {
         let opts = WriteOptions {
             shard_size: 1024,
             alignment: 16,
+            ..WriteOptions::default()
         };
         let manifest = build(dir.path(), &recs, opts);
         assert_eq!(manifest.shards.len(), 3);
@@ -583,6 +603,72 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn compressed_caches_read_decoded_records_and_name_damaged_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let recs: Vec<Vec<u8>> = (0..40).map(|i| vec![i as u8; 1000 + i]).collect();
+        let opts = WriteOptions {
+            compression: Codec::Zstd { level: 5 },
+            ..WriteOptions::default()
+        };
+        let manifest = build(dir.path(), &recs, opts);
+        let text = std::fs::read_to_string(dir.path().join("manifest.json")).unwrap();
+        for field in [
+            "\"format_version\": 4",
+            "\"compression\": \"zstd\"",
+            "\"compression_level\": 5",
+        ] {
+            assert!(text.contains(field), "{field} not in {text}");
+        }
+        let raw: u64 = recs.iter().map(|r| r.len() as u64).sum();
+        assert_eq!(
+            manifest.nbytes, raw,
+            "nbytes counts the records as serialized"
+        );
+        assert!(
+            manifest.shards[0].size < raw / 10,
+            "{}",
+            manifest.shards[0].size
+        );
+
+        let reader = CacheReader::open(dir.path()).unwrap();
+        assert_eq!(reader.codec(), Codec::Zstd { level: 5 });
+        for (i, r) in recs.iter().enumerate() {
+            assert_eq!(&reader.copy_record(i as u64, true).unwrap(), r);
+            let span = reader.span(i as u64, false).unwrap();
+            assert_eq!(
+                span.bytes().as_ptr() as usize % crate::format::RECORD_ALIGN,
+                0
+            );
+        }
+        let loc = reader.location(5).0;
+        drop(reader);
+        // A damaged length header: the checksum catches it, and a read without checking
+        // fails to decode instead of returning wrong bytes.
+        let shard = dir.path().join("shards/00000.bin");
+        let mut bytes = std::fs::read(&shard).unwrap();
+        bytes[loc.offset as usize] ^= 0x40;
+        std::fs::write(&shard, &bytes).unwrap();
+        let reader = CacheReader::open(dir.path()).unwrap();
+        let err = reader.copy_record(5, true).unwrap_err().to_string();
+        assert!(err.contains("sample_id 5 fails its checksum"), "{err}");
+        let err = reader.copy_record(5, false).unwrap_err().to_string();
+        assert!(
+            err.contains("sample_id 5") && err.contains("00000.bin"),
+            "{err}"
+        );
+        assert_eq!(reader.copy_record(6, false).unwrap(), recs[6]);
+    }
+
+    #[test]
+    fn uncompressed_caches_are_still_written_as_format_3() {
+        let dir = tempfile::tempdir().unwrap();
+        build(dir.path(), &records(3), WriteOptions::default());
+        let text = std::fs::read_to_string(dir.path().join("manifest.json")).unwrap();
+        assert!(text.contains("\"format_version\": 3"), "{text}");
+        assert!(!text.contains("compression_level"), "{text}");
+    }
+
+    #[test]
     fn empty_cache_round_trips() {
         let dir = tempfile::tempdir().unwrap();
         let manifest = build(dir.path(), &[], WriteOptions::default());
@@ -601,14 +687,17 @@ pub(crate) mod tests {
                 recs in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..600), 0..80),
                 shard_size in 65u64..5000,
                 align_pow in 0u32..8,
+                codec in 0usize..3,
             ) {
                 let dir = tempfile::tempdir().unwrap();
-                let opts = WriteOptions { shard_size, alignment: 1 << align_pow };
+                let compression = [Codec::None, Codec::Zstd { level: 1 }, Codec::Lz4][codec];
+                let opts = WriteOptions { shard_size, alignment: 1 << align_pow, compression };
                 build(dir.path(), &recs, opts);
                 let reader = CacheReader::open(dir.path()).unwrap();
                 prop_assert_eq!(reader.len(), recs.len() as u64);
+                prop_assert_eq!(reader.codec(), compression);
                 for (i, r) in recs.iter().enumerate() {
-                    prop_assert_eq!(reader.record_verified(i as u64).unwrap(), &r[..]);
+                    prop_assert_eq!(&reader.copy_record(i as u64, true).unwrap(), r);
                 }
             }
         }

@@ -310,6 +310,7 @@ mod tests {
         let opts = WriteOptions {
             shard_size: 4096,
             alignment: 64,
+            ..WriteOptions::default()
         };
         crate::reader::tests::build(dir, &records, opts)
     }

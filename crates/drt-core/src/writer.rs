@@ -8,6 +8,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use crate::compress::{Codec, Compressor};
 use crate::error::{Error, IoContext, Result};
 use crate::format::{
     checksum_hex, shard_file, FileEntry, Manifest, Part, FORMAT_VERSION, INDEX_FILE, METADATA_DIR,
@@ -23,6 +24,8 @@ pub struct WriteOptions {
     pub shard_size: u64,
     /// Every record starts at a multiple of this within its shard (a power of two, ≤ 4096).
     pub alignment: u64,
+    /// How each record is compressed.
+    pub compression: Codec,
 }
 
 impl Default for WriteOptions {
@@ -30,6 +33,7 @@ impl Default for WriteOptions {
         Self {
             shard_size: 256 << 20,
             alignment: 16,
+            compression: Codec::None,
         }
     }
 }
@@ -128,6 +132,9 @@ pub struct CacheWriter {
     shards: Vec<FileEntry>,
     index: IndexBuilder,
     nbytes: u64,
+    compressor: Compressor,
+    /// Where compressed records are written, reused from record to record.
+    compressed: Vec<u8>,
 }
 
 const ZEROS: [u8; 4096] = [0; 4096];
@@ -153,6 +160,8 @@ impl CacheWriter {
             shards: Vec::new(),
             index: IndexBuilder::default(),
             nbytes: 0,
+            compressor: Compressor::new(opts.compression)?,
+            compressed: Vec::new(),
         })
     }
 
@@ -166,13 +175,23 @@ impl CacheWriter {
         self.index.len()
     }
 
-    /// Payload bytes appended so far (padding excluded).
+    /// Payload bytes appended so far, as serialized (before compression; padding excluded).
     pub fn nbytes(&self) -> u64 {
         self.nbytes
     }
 
-    /// Appends one record; returns its sample id.
+    /// Appends one record, compressed if the cache is; returns its sample id.
     pub fn append(&mut self, record: &[u8]) -> Result<u64> {
+        let mut buffer = std::mem::take(&mut self.compressed);
+        let stored = self.compressor.compress(record, &mut buffer)?;
+        let sample_id = self.append_stored(stored)?;
+        self.nbytes += record.len() as u64;
+        self.compressed = buffer;
+        Ok(sample_id)
+    }
+
+    /// Appends a record's bytes as they are to be stored.
+    fn append_stored(&mut self, record: &[u8]) -> Result<u64> {
         let len = record.len() as u64;
         let align = record_alignment(record, self.opts.alignment);
         let needs_new = match &self.shard {
@@ -203,7 +222,6 @@ impl CacheWriter {
             length: len,
             checksum: xxhash_rust::xxh3::xxh3_64(record),
         });
-        self.nbytes += len;
         Ok(sample_id)
     }
 
@@ -276,7 +294,8 @@ impl CacheWriter {
             nbytes: written.nbytes,
             alignment: self.opts.alignment,
             serializer: info.serializer,
-            compression: "none".into(),
+            compression: self.opts.compression.name().into(),
+            compression_level: self.opts.compression.level(),
             created_at: crate::format::utc_now_iso(),
             shards: written.shards,
             index: written.index,

@@ -15,6 +15,7 @@ fn built(store: &Store, name: &str, records: &[&[u8]]) -> String {
     let opts = WriteOptions {
         shard_size: 1024,
         alignment: 16,
+        ..WriteOptions::default()
     };
     let mut session = BuildSession::begin(store, &lock, opts).unwrap();
     for record in records {
@@ -134,6 +135,7 @@ fn a_build_lists_the_parts_other_writers_put_in_its_directory() {
     let opts = WriteOptions {
         shard_size: 1024,
         alignment: 16,
+        ..WriteOptions::default()
     };
     let mut session = BuildSession::begin(&store, &lock, opts).unwrap();
     let all = records(0..30);

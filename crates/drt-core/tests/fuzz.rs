@@ -32,6 +32,7 @@ fn build(dir: &Path) -> Manifest {
         WriteOptions {
             shard_size: 2048,
             alignment: 64,
+            ..WriteOptions::default()
         },
     )
     .unwrap();

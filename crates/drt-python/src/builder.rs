@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use drt_core::append::AppendSession;
 use drt_core::build::{BuildSession, PartWriter};
+use drt_core::compress::Codec;
 use drt_core::format::Part;
 use drt_core::writer::WriteOptions;
 use pyo3::prelude::*;
@@ -153,10 +154,32 @@ impl PyAppendSession {
         append_record(py, record, |r| self.session.append(r))
     }
 
-    /// Moves the part into place and makes the new table the live version; returns it.
-    fn commit(&mut self, py: Python<'_>) -> PyResult<u32> {
+    /// Where other processes write parts of this append: `PartWriter(staging_dir,
+    /// staged_part(j), ...)` for `j` from 1.
+    #[getter]
+    fn staging_dir(&self) -> PathBuf {
+        self.session.staging_dir().to_path_buf()
+    }
+
+    /// The directory of staged part `j` under `staging_dir`.
+    #[staticmethod]
+    fn staged_part(j: usize) -> String {
+        AppendSession::staged_part(j)
+    }
+
+    /// Moves the session's part, then the staged `parts` (`PartWriter.finish` texts) into
+    /// place and makes the new table the live version; returns it.
+    #[pyo3(signature = (parts=Vec::new()))]
+    fn commit(&mut self, py: Python<'_>, parts: Vec<String>) -> PyResult<u32> {
         let lock = self.lock.clone_ref(py);
-        run(py, || lock.get().with(|held| self.session.commit(held)))
+        run(py, || {
+            let parts = parts
+                .iter()
+                .map(|text| Part::from_json(text))
+                .collect::<drt_core::Result<Vec<_>>>()?;
+            lock.get()
+                .with(|held| self.session.commit_with_parts(held, parts))
+        })
     }
 
     /// Removes what was written; the cache is untouched.
@@ -173,20 +196,27 @@ pub struct PyPartWriter {
 
 #[pymethods]
 impl PyPartWriter {
-    /// Starts writing part directory `relative` of build directory `build_dir`.
+    /// Starts writing part directory `relative` of build directory `build_dir`, its records
+    /// compressed with `compression` (`none`, `zstd` or `lz4`) at `compression_level`.
     #[new]
+    #[pyo3(signature = (build_dir, relative, shard_size, alignment, compression = "none", compression_level = None))]
     fn new(
         py: Python<'_>,
         build_dir: PathBuf,
         relative: String,
         shard_size: u64,
         alignment: u64,
+        compression: &str,
+        compression_level: Option<i32>,
     ) -> PyResult<Self> {
-        let opts = WriteOptions {
-            shard_size,
-            alignment,
-        };
-        let writer = run(py, || PartWriter::create(&build_dir, &relative, opts))?;
+        let writer = run(py, || {
+            let opts = WriteOptions {
+                shard_size,
+                alignment,
+                compression: Codec::parse(compression, compression_level)?,
+            };
+            PartWriter::create(&build_dir, &relative, opts)
+        })?;
         Ok(Self { writer })
     }
 
@@ -209,4 +239,14 @@ impl PyPartWriter {
     fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
         run(py, || self.writer.finish().map(|part| part.to_json()))
     }
+}
+
+/// A part's description (`PartWriter.finish`'s text) after its directory moved from
+/// `old_dir` to `new_dir`, both relative to the directory it was written in.
+#[pyfunction]
+pub fn relocate_part(py: Python<'_>, part: &str, old_dir: &str, new_dir: &str) -> PyResult<String> {
+    Part::from_json(part)
+        .and_then(|p| p.moved(old_dir, new_dir))
+        .map(|p| p.to_json())
+        .map_err(|e| to_py(py, e))
 }

@@ -25,8 +25,12 @@ pub struct PyManifest {
     alignment: u64,
     /// The serializer, by the name `drt.cache(serializer=...)` takes.
     serializer: String,
-    /// Compression of the records.
+    /// Compression of the records: `none`, `zstd` or `lz4`.
     compression: String,
+    /// The zstd level records were compressed at; `None` for other codecs.
+    compression_level: Option<i32>,
+    /// Bytes of the payload shards on disk (compressed, headers and padding included).
+    shard_bytes: u64,
     /// UTC creation time, RFC 3339.
     created_at: String,
     /// Number of payload shards, the parts' included.
@@ -54,6 +58,13 @@ impl From<&Manifest> for PyManifest {
             alignment: m.alignment,
             serializer: m.serializer.clone(),
             compression: m.compression.clone(),
+            compression_level: m.compression_level,
+            shard_bytes: m
+                .segments()
+                .iter()
+                .flat_map(|s| s.shards)
+                .map(|f| f.size)
+                .sum(),
             created_at: m.created_at.clone(),
             num_shards: m.segments().iter().map(|s| s.shards.len()).sum(),
             num_parts: 1 + m.parts.len(),

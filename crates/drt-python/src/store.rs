@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use drt_core::append::AppendSession;
 use drt_core::build::BuildSession;
+use drt_core::compress::Codec;
 use drt_core::metadata::MetadataSave;
 use drt_core::store::Store;
 use drt_core::writer::WriteOptions;
@@ -165,18 +166,22 @@ impl PyStore {
         })
     }
 
+    #[pyo3(signature = (lock, shard_size, alignment, compression = "none", compression_level = None))]
     fn begin_build(
         &self,
         py: Python<'_>,
         lock: Py<PyBuildLock>,
         shard_size: u64,
         alignment: u64,
+        compression: &str,
+        compression_level: Option<i32>,
     ) -> PyResult<PyCacheBuilder> {
-        let opts = WriteOptions {
-            shard_size,
-            alignment,
-        };
         let session = run(py, || {
+            let opts = WriteOptions {
+                shard_size,
+                alignment,
+                compression: Codec::parse(compression, compression_level)?,
+            };
             lock.get()
                 .with(|held| BuildSession::begin(&self.inner, held, opts))
         })?;
