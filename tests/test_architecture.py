@@ -87,7 +87,7 @@ PYTHON_LAYERS = [
     {"__init__", "_version_check"},
     {"errors", "roots", "progress", "serialize", "metadata", "plugins", "processes"},
     {"registry", "verify", "caches", "build"},
-    {"pipeline", "collate", "workers", "loader", "summary", "namespace"},
+    {"pipeline", "collate", "workers", "loader", "summary", "namespace", "ray"},
     {"bench", "cli", "demo"},
 ]
 
