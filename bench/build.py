@@ -3,14 +3,21 @@
 Prints one table: rates (records/s and MB/s), the ratio to the serialize-only baseline of
 the same round, and the median and spread over the rounds. The records come from a list in
 memory, and (``dataset`` rows) from a map-style dataset that makes each record from its
-index, as one that reads files would: built with ``num_proc`` 1 and 2 against reading and
+index, as one that reads files would: built with ``num_proc`` 1 and 2, and with ``--ray``
+through ``dataset_rt.ray.cache`` on a local Ray cluster of 2 CPUs, against reading and
 serializing it alone in one process.
+
+A second table (``--compression``) builds the list with zstd and lz4 against no
+compression, on the image records (random bytes: the worst case) and on token records
+(integer arrays, as text datasets hold), and reads each cache back in one shuffled loader
+pass: ratio on disk, build rate, read rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import pickle
+import shutil
 import statistics
 import tempfile
 import time
@@ -53,6 +60,30 @@ class Generated:
         return {"image": image, "label": index % 10, "caption": f"sample {index}"}
 
 
+def make_tokens(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Text-like records: 512 token ids below 32,000 as int64 (about 4 KiB pickled)."""
+    rng = np.random.default_rng(seed)
+    return [
+        {"tokens": rng.zipf(1.3, size=512).clip(0, 31_999).astype(np.int64), "label": i % 10}
+        for i in range(n)
+    ]
+
+
+def ray_dataset(n: int, record_kb: float) -> Any:
+    """``Generated`` as a Ray dataset: rows made from their index in Ray's tasks."""
+    import ray.data
+
+    side = max(1, int((record_kb * 1024 / 3) ** 0.5))
+
+    def row(r: dict[str, Any]) -> dict[str, Any]:
+        index = int(r["id"])
+        rng = np.random.default_rng(index)
+        image = rng.integers(0, 255, size=(3, side, side), dtype=np.uint8)
+        return {"image": image, "label": index % 10, "caption": f"sample {index}"}
+
+    return ray.data.range(n, override_num_blocks=max(2, n // 20_000)).map(row)
+
+
 def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -64,7 +95,17 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=50_000)
     parser.add_argument("--record-kb", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--datasets-only", action="store_true", help="skip the rows that build from a list"
+    )
+    parser.add_argument("--ray", action="store_true", help="also build through Ray Data")
+    parser.add_argument(
+        "--compression", action="store_true", help="also compare zstd and lz4 with none"
+    )
     args = parser.parse_args()
+    if args.datasets_only:
+        build_from_datasets(args)
+        return
 
     records = make_records(args.records, args.record_kb)
     nbytes = sum(len(pickle.dumps(r, protocol=5)) for r in records)
@@ -156,6 +197,123 @@ def main() -> None:
         "record and writes the Parquet table. dataset rows: ratio to reading and serializing\n"
         "the dataset in one process (num_proc=k target: >= 0.85 k on k free cores)."
     )
+    if args.ray:
+        build_from_datasets(args, procs=(), with_ray=True)
+    if args.compression:
+        compare_compression(records, "images", args.rounds)
+        compare_compression(make_tokens(args.records), "tokens", args.rounds)
+
+
+def build_from_datasets(
+    args: argparse.Namespace, procs: tuple[int, ...] = (1, 2), with_ray: bool | None = None
+) -> None:
+    """The map-style dataset alone: read + serialize, num_proc 1 and 2, and Ray (2 CPUs)."""
+    with_ray = args.ray if with_ray is None else with_ray
+    dataset = Generated(args.records, args.record_kb)
+    nbytes = sum(len(pickle.dumps(dataset[i], protocol=5)) for i in range(min(1000, len(dataset))))
+    nbytes = nbytes * len(dataset) // min(1000, len(dataset))
+    print(f"\ndataset: {len(dataset):,} records of ~{nbytes / len(dataset) / 1024:.1f} KiB")
+    rows: dict[str, list[float]] = {"read + serialize": []}
+    rows.update({f"num_proc={k}": [] for k in procs})
+    if with_ray:
+        import ray
+
+        import dataset_rt.ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        rows["ray, 2 CPUs"] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            for round_ in range(args.rounds + 1):  # round 0 warms up and is discarded
+                times: dict[str, float] = {}
+
+                def read_and_serialize() -> None:
+                    for i in range(len(dataset)):
+                        pickle.dumps(dataset[i], protocol=5)
+
+                times["read + serialize"] = timed(read_and_serialize)
+                for k in procs:
+                    times[f"num_proc={k}"] = timed(
+                        lambda k=k: drt.cache(
+                            dataset,
+                            "bench-dataset",
+                            root=root,
+                            metadata=lambda r: {"label": r["label"]},
+                            num_proc=k,
+                            overwrite=True,
+                            progress=False,
+                        )
+                    )
+                    drt_dir = root / "bench-dataset"
+                    if drt_dir.exists():
+                        shutil.rmtree(drt_dir)
+                if with_ray:
+                    name = f"bench-ray-{round_}"
+                    times["ray, 2 CPUs"] = timed(
+                        lambda name=name: dataset_rt.ray.cache(
+                            ray_dataset(args.records, args.record_kb),
+                            name,
+                            root=root,
+                            metadata=["label"],
+                            progress=False,
+                        )
+                    )
+                    shutil.rmtree(root / name)
+                if round_ > 0:
+                    for step, t in times.items():
+                        rows[step].append(t)
+    finally:
+        if with_ray:
+            ray.shutdown()
+    base = statistics.median(rows["read + serialize"])
+    print(f"{'step':<27}{'median s':>10}{'spread s':>10}{'records/s':>12}{'MB/s':>9}{'ratio':>8}")
+    for step, times_ in rows.items():
+        med = statistics.median(times_)
+        print(
+            f"{step:<27}{med:>10.3f}{max(times_) - min(times_):>10.3f}"
+            f"{args.records / med:>12,.0f}{nbytes / med / 1e6:>9.0f}{base / med:>8.2f}"
+        )
+    print("ratio = reading and serializing the dataset in one process / step time")
+
+
+def compare_compression(records: list[dict[str, Any]], label: str, rounds: int) -> None:
+    """Builds ``records`` uncompressed, with zstd and with lz4, and reads each back."""
+    print(f"\ncompression, {label}: {len(records):,} records")
+    codecs: list[Any] = [None, "zstd", "lz4"]
+    build: dict[str, list[float]] = {str(c): [] for c in codecs}
+    read: dict[str, list[float]] = {str(c): [] for c in codecs}
+    on_disk: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for round_ in range(rounds + 1):
+            for codec in codecs:
+                name = f"bench-{codec}"
+                t = timed(
+                    lambda codec=codec, name=name: drt.cache(
+                        records, name, root=root, compression=codec, overwrite=True, progress=False
+                    )
+                )
+                cache = drt.open(name, root=root)
+                on_disk[str(codec)] = cache.nbytes / cache.nbytes_on_disk
+                loader = cache.metadata.drt.loader(batch_size=256, seed=round_, collate=list)
+                r = timed(lambda loader=loader: sum(len(b) for b in loader))
+                if round_ > 0:
+                    build[str(codec)].append(t)
+                    read[str(codec)].append(r)
+    n = len(records)
+    base_build, base_read = statistics.median(build["None"]), statistics.median(read["None"])
+    print(
+        f"{'codec':<8}{'ratio':>8}{'build rec/s':>13}{'vs none':>9}"
+        f"{'read rec/s':>12}{'vs none':>9}{'spread s':>10}"
+    )
+    for codec in build:
+        b, r = statistics.median(build[codec]), statistics.median(read[codec])
+        print(
+            f"{codec:<8}{on_disk[codec]:>7.2f}x{n / b:>13,.0f}{base_build / b:>9.2f}"
+            f"{n / r:>12,.0f}{base_read / r:>9.2f}{max(read[codec]) - min(read[codec]):>10.3f}"
+        )
+    print("ratio = serialized bytes / bytes on disk; read: one shuffled loader pass, decoded")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,13 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
     ("args", "expected"),
     [
         (
-            ["build.py", "--records", "300", "--rounds", "1"],
-            ["serialize only", "drt.cache", "dataset: num_proc=2"],
+            ["build.py", "--records", "300", "--rounds", "1", "--compression"],
+            ["serialize only", "drt.cache", "dataset: num_proc=2", "compression, tokens", "lz4"],
+        ),
+        pytest.param(
+            ["build.py", "--records", "300", "--rounds", "1", "--datasets-only", "--ray"],
+            ["read + serialize", "num_proc=2", "ray, 2 CPUs"],
+            marks=pytest.mark.slow,
         ),
         (["metadata.py", "--rows", "20000", "--rounds", "1"], ["native Polars", ".drt.balance"]),
         (
@@ -27,7 +32,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["access.py", "--smoke"], ["mmap, one by one", "get, one by one", "get_many, 256"]),
         (["startup.py", "--smoke"], ["metadata  import", "scan()    import", "anonymous"]),
     ],
-    ids=["build", "metadata", "loader", "serialize", "access", "startup"],
+    ids=["build", "build-ray", "metadata", "loader", "serialize", "access", "startup"],
 )
 def test_benchmark_runs_and_prints_its_table(args: list[str], expected: list[str]) -> None:
     result = subprocess.run(

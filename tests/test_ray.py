@@ -61,6 +61,13 @@ def test_rows_become_records_in_order_and_columns_metadata(tmp_path: Path) -> No
     # The name is taken: the dataset is not run again.
     again = drt_ray.cache(_rows(10), "from-ray", root=tmp_path)
     assert again.cache_id == cache.cache_id
+    # Damage in a part is reported by cache-wide sample ids, like any cache's.
+    last = cache.path / "parts" / f"{cache.num_parts - 1:05d}" / "shards" / "00000.bin"
+    data = bytearray(last.read_bytes())
+    data[-5] ^= 0xFF  # inside the last record
+    last.write_bytes(bytes(data))
+    report = drt.verify("from-ray", root=tmp_path, progress=False)
+    assert [p.sample_ids for p in report.problems if p.sample_ids] == [[599]]
 
 
 def test_a_metadata_function_and_compression(tmp_path: Path) -> None:

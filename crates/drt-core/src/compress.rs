@@ -25,6 +25,8 @@ pub const ZSTD_DEFAULT_LEVEL: i32 = 3;
 /// The largest uncompressed record accepted when reading: a length beyond this in a record's
 /// header means the header is damaged.
 const MAX_DECODED_LEN: u64 = 1 << 40;
+/// An lz4 block decodes to at most about 255 times its length.
+const LZ4_MAX_RATIO: u64 = 256;
 
 /// How a cache's records are compressed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -106,7 +108,28 @@ impl Codec {
                 "its header records an implausible length of {len} bytes"
             ));
         }
-        let mut decoded = Decoded::zeroed(len as usize);
+        // A damaged header must not make a reader allocate what the block cannot hold.
+        match self {
+            Codec::Zstd { .. } => {
+                let framed = zstd::zstd_safe::get_frame_content_size(block)
+                    .ok()
+                    .flatten();
+                if framed != Some(len) {
+                    let framed = framed.map_or_else(|| "records none".into(), |n| n.to_string());
+                    return Err(format!(
+                        "its header records {len} bytes, its zstd frame {framed}"
+                    ));
+                }
+            }
+            Codec::Lz4 if len > (block.len() as u64).saturating_mul(LZ4_MAX_RATIO) => {
+                return Err(format!(
+                    "its header records {len} bytes, more than its lz4 block of {} can hold",
+                    block.len()
+                ));
+            }
+            _ => {}
+        }
+        let mut decoded = Decoded::zeroed(len as usize)?;
         let out = decoded.bytes_mut();
         let written = match self {
             Codec::None => return Err("the cache is not compressed".into()),
@@ -218,11 +241,14 @@ pub struct Decoded {
 }
 
 impl Decoded {
-    fn zeroed(len: usize) -> Self {
-        Self {
-            lines: vec![Line([0; DECODED_ALIGN]); len.div_ceil(DECODED_ALIGN)],
-            len,
-        }
+    fn zeroed(len: usize) -> std::result::Result<Self, String> {
+        let count = len.div_ceil(DECODED_ALIGN);
+        let mut lines = Vec::new();
+        lines
+            .try_reserve_exact(count)
+            .map_err(|_| format!("cannot allocate {len} bytes to decode it into"))?;
+        lines.resize(count, Line([0; DECODED_ALIGN]));
+        Ok(Self { lines, len })
     }
 
     /// The record's bytes.
@@ -291,6 +317,14 @@ mod tests {
             let mut huge = stored.clone();
             huge[..8].copy_from_slice(&u64::MAX.to_le_bytes());
             assert!(codec.decompress(&huge).unwrap_err().contains("implausible"));
+            // Large but plausible on its own: refused before anything is allocated.
+            let mut large = stored.clone();
+            large[..8].copy_from_slice(&(1u64 << 35).to_le_bytes());
+            let err = codec.decompress(&large).unwrap_err();
+            assert!(
+                err.contains("its header records 34359738368 bytes"),
+                "{err}"
+            );
             let truncated = &stored[..stored.len() - 10];
             assert!(codec.decompress(truncated).is_err(), "{codec:?}");
         }
