@@ -86,7 +86,7 @@ def test_the_python_package_has_no_import_cycle() -> None:
 PYTHON_LAYERS = [
     {"__init__", "_version_check"},
     {"errors", "roots", "progress", "serialize", "metadata", "plugins", "processes"},
-    {"registry", "verify", "caches", "build"},
+    {"registry", "verify", "caches", "build", "remote"},
     {"pipeline", "collate", "workers", "loader", "summary", "namespace", "ray"},
     {"bench", "cli", "demo"},
 ]

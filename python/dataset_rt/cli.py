@@ -127,6 +127,40 @@ def _demo(args: argparse.Namespace) -> None:
     run(args.root, overwrite=args.overwrite)
 
 
+def _storage_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _push(args: argparse.Namespace) -> None:
+    from dataset_rt.remote import push
+
+    url = push(
+        args.name,
+        args.url,
+        root=args.root,
+        storage_options=dict(args.storage_option),
+        progress=not args.quiet,
+    )
+    print(f"pushed {args.name} to {url}")
+
+
+def _pull(args: argparse.Namespace) -> None:
+    from dataset_rt.remote import pull
+
+    cache = pull(
+        args.url,
+        args.name,
+        root=args.root,
+        storage_options=dict(args.storage_option),
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    print(f"pulled {args.name} ({len(cache):,} samples) into {cache.path}")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataset-rt",
@@ -167,6 +201,34 @@ def _parser() -> argparse.ArgumentParser:
         "need PyTorch)",
     )
     p.set_defaults(func=_bench, parser=p)
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument(
+        "-o",
+        "--storage-option",
+        type=_storage_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the object store, with the keys Polars takes (repeatable)",
+    )
+    remote.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    p = sub.add_parser(
+        "push",
+        parents=[common, remote],
+        help="upload a cache to object storage (URL/NAME/), its manifest last",
+    )
+    p.add_argument("name", help="the cache's name")
+    p.add_argument("url", help="the remote root, e.g. s3://bucket/prefix")
+    p.set_defaults(func=_push, parser=p)
+    p = sub.add_parser(
+        "pull",
+        parents=[common, remote],
+        help="download a cache from object storage, checked before it is published",
+    )
+    p.add_argument("url", help="the remote root, e.g. s3://bucket/prefix")
+    p.add_argument("name", help="the cache's name")
+    p.add_argument("--overwrite", action="store_true", help="replace another local build")
+    p.set_defaults(func=_pull, parser=p)
     p = sub.add_parser(
         "demo", parents=[common], help="cache scikit-learn's digits and read them back"
     )

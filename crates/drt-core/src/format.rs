@@ -253,6 +253,29 @@ impl Manifest {
         self.format_version = FORMAT_VERSION;
     }
 
+    /// Every file the manifest names, relative to the cache directory, the manifest itself
+    /// excepted, with its recorded checksum where there is one: shards and indexes (the
+    /// build's, then each part's), metadata versions and loader plans. What a copy of the
+    /// cache must hold.
+    pub fn files(&self) -> Vec<(String, Option<String>)> {
+        let mut files: Vec<(String, Option<String>)> = self
+            .segments()
+            .iter()
+            .flat_map(|s| s.shards.iter().chain(std::iter::once(s.index)))
+            .map(|entry| (entry.file.clone(), Some(entry.checksum.clone())))
+            .collect();
+        files.extend(self.metadata_versions.iter().map(|v| {
+            let checksum = self.metadata_checksums.get(v).cloned();
+            (Self::metadata_file(*v), checksum)
+        }));
+        files.extend(
+            self.plan_checksums
+                .iter()
+                .map(|(&v, checksum)| (Self::plan_file(v), Some(checksum.clone()))),
+        );
+        files
+    }
+
     /// How the records are compressed.
     pub fn codec(&self) -> Result<Codec> {
         Codec::parse(&self.compression, self.compression_level)

@@ -16,7 +16,7 @@ use crate::format::{
 };
 use crate::index::Index;
 use crate::metadata::check_digest;
-use crate::store::Store;
+use crate::store::{BuildLock, Store};
 
 /// One thing found wrong with a cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,6 +118,34 @@ fn check_entry(dir: &Path, entry: &FileEntry, report: &mut Report) -> Option<(Ve
         );
     }
     Some((bytes, intact))
+}
+
+/// Publishes a whole cache copied into `dir` (a directory from
+/// [`Store::begin_build`]) as cache `lock`'s name, after checking every file and record of
+/// it against its manifest: a copy that is incomplete, damaged or of another cache is
+/// refused (and stays where it is for the caller to discard).
+pub fn publish_copy(store: &Store, lock: &BuildLock, dir: &Path) -> Result<()> {
+    let report = verify(dir, |_| Ok(()))?;
+    if let Some(problem) = report.problems.first() {
+        return Err(Error::corrupt(
+            dir.join(&problem.file),
+            format!(
+                "the copy of cache {:?} is damaged ({} problem(s)): {}",
+                lock.name(),
+                report.problems.len(),
+                problem.message
+            ),
+        ));
+    }
+    let manifest = Manifest::read(dir)?;
+    if manifest.name != lock.name() {
+        return Err(Error::InvalidArgument(format!(
+            "the copy holds cache {:?}, not {:?}",
+            manifest.name,
+            lock.name()
+        )));
+    }
+    store.publish(lock, dir)
 }
 
 /// Verifies cache `name` of `store` completely (see [`verify`]). A cache that does not exist

@@ -52,5 +52,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(metadata::metadata_table_file, m)?)?;
     m.add_function(wrap_pyfunction!(loader::write_plan, m)?)?;
     m.add_function(wrap_pyfunction!(builder::relocate_part, m)?)?;
+    m.add_function(wrap_pyfunction!(manifest::read_manifest, m)?)?;
     Ok(())
 }

@@ -31,6 +31,9 @@ pub struct PyManifest {
     compression_level: Option<i32>,
     /// Bytes of the payload shards on disk (compressed, headers and padding included).
     shard_bytes: u64,
+    /// Every file the manifest names (relative paths), the manifest itself excepted, with
+    /// its recorded xxh3-64 (hex) where there is one.
+    files: Vec<(String, Option<String>)>,
     /// UTC creation time, RFC 3339.
     created_at: String,
     /// Number of payload shards, the parts' included.
@@ -65,6 +68,7 @@ impl From<&Manifest> for PyManifest {
                 .flat_map(|s| s.shards)
                 .map(|f| f.size)
                 .sum(),
+            files: m.files(),
             created_at: m.created_at.clone(),
             num_shards: m.segments().iter().map(|s| s.shards.len()).sum(),
             num_parts: 1 + m.parts.len(),
@@ -84,4 +88,12 @@ impl PyManifest {
             self.name, self.cache_id, self.num_samples, self.format_version
         )
     }
+}
+
+/// Reads and checks the manifest of the cache in directory `path`.
+#[pyfunction]
+pub fn read_manifest(py: Python<'_>, path: std::path::PathBuf) -> PyResult<PyManifest> {
+    Manifest::read(&path)
+        .map(|m| PyManifest::from(&m))
+        .map_err(|e| crate::errors::to_py(py, e))
 }

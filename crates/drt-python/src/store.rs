@@ -188,6 +188,26 @@ impl PyStore {
         Ok(PyCacheBuilder::new(session, lock))
     }
 
+    /// Starts a copy of cache `lock`'s name made elsewhere (a download): a hidden directory
+    /// under the root that `publish_copy` makes the cache once every file is in it.
+    fn begin_copy(&self, py: Python<'_>, lock: Py<PyBuildLock>) -> PyResult<PathBuf> {
+        run(py, || lock.get().with(|held| self.inner.begin_build(held)))
+    }
+
+    /// Checks the copy in directory `path` completely against its manifest and publishes it under
+    /// `lock`'s name in one atomic step; a damaged or incomplete copy is refused.
+    fn publish_copy(&self, py: Python<'_>, lock: Py<PyBuildLock>, path: PathBuf) -> PyResult<()> {
+        run(py, || {
+            lock.get()
+                .with(|held| drt_core::verify::publish_copy(&self.inner, held, &path))
+        })
+    }
+
+    /// Removes a copy that was not published.
+    fn discard_copy(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        run(py, || self.inner.discard(&path))
+    }
+
     /// Starts appending records to cache `lock`'s name, which must still be the build
     /// `cache_id` (else `StaleCacheError`), as a new part of shards of at most `shard_size`.
     fn begin_append(

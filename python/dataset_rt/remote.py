@@ -1,0 +1,289 @@
+"""Copying caches to and from object storage: ``push`` and ``pull``.
+
+A remote root is a URL (``s3://bucket/prefix``, ``gs://``, ``az://``, ``file://``); cache
+``name`` lives under ``<url>/<name>/`` with the same layout as on disk. ``push`` uploads
+every file the manifest names, checking each against the manifest first, and the manifest
+last, so a reader of the remote root never finds a cache whose files are not all there.
+``pull`` downloads a remote cache into a hidden directory of the local root, checks every
+file and record against the manifest, and publishes it under its name in one atomic step.
+
+Storage goes through obstore, the Python binding of the Rust ``object_store`` crate that
+Polars' own cloud readers use; ``storage_options`` take the keys Polars takes
+(``aws_endpoint_url``, ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_region``,
+``aws_allow_http``, ...), and without them the standard environment variables and profiles
+apply.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from dataset_rt import _native, registry
+from dataset_rt.caches import Cache
+from dataset_rt.errors import (
+    ArgumentError,
+    CacheCorruptError,
+    CacheIOError,
+    CacheNotFoundError,
+)
+from dataset_rt.progress import BuildProgress
+from dataset_rt.roots import PathLike, resolve_root
+
+__all__ = ["is_url", "pull", "push"]
+
+StorageOptions = Mapping[str, Any] | None
+"""Options for the object store, with the keys Polars' cloud readers take."""
+
+_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "file", "memory"}
+# Keys object_store takes as HTTP client options rather than as the store's configuration,
+# with or without a provider prefix (Polars passes both kinds in one dict).
+_CLIENT_KEYS = {
+    "allow_http",
+    "allow_invalid_certificates",
+    "connect_timeout",
+    "default_content_type",
+    "http1_only",
+    "http2_only",
+    "pool_idle_timeout",
+    "pool_max_idle_per_host",
+    "proxy_url",
+    "timeout",
+    "user_agent",
+}
+_PREFIXES = ("aws_", "google_", "azure_")
+
+
+def is_url(root: object) -> bool:
+    """Whether ``root`` names object storage (``s3://...`` and the like), not a directory."""
+    return isinstance(root, str) and urlparse(root).scheme in _SCHEMES
+
+
+def _split_options(options: StorageOptions) -> tuple[dict[str, Any], dict[str, Any]]:
+    config: dict[str, Any] = {}
+    client: dict[str, Any] = {}
+    for key, value in (options or {}).items():
+        bare = key.lower()
+        for prefix in _PREFIXES:
+            bare = bare.removeprefix(prefix)
+        if bare in _CLIENT_KEYS:
+            client[bare] = value
+        else:
+            config[key] = value
+    return config, client
+
+
+class _Remote:
+    """A cache's directory in object storage: ``<url>/<name>/``."""
+
+    def __init__(self, url: str, name: str, options: StorageOptions) -> None:
+        if not is_url(url):
+            raise ArgumentError(
+                f"{url!r} is not an object-storage URL; use s3://bucket/prefix, gs://, az:// "
+                "or file://"
+            )
+        import obstore.store
+
+        config, client = _split_options(options)
+        self.url = f"{url.rstrip('/')}/{name}"
+        # Typed per provider by obstore; the keys are the user's, checked by object_store.
+        from_url: Any = obstore.store.from_url
+        try:
+            self.store = from_url(self.url, config=config, client_options=client)
+        except BaseException as exc:  # obstore raises panics for some bad options
+            raise ArgumentError(f"cannot reach {self.url} with these options: {exc}") from None
+
+    def where(self, path: str) -> str:
+        return f"{self.url}/{path}"
+
+    def error(self, path: str, exc: BaseException) -> Exception:
+        """``exc`` from the object store, as the error of dataset_rt that says what failed."""
+        import obstore.exceptions as oe
+
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        where = self.where(path)
+        if "NoSuchBucket" in str(exc) or "bucket does not exist" in str(exc).lower():
+            bucket = urlparse(self.url).netloc
+            return CacheIOError(f"bucket {bucket!r} does not exist (reading {where})")
+        if isinstance(exc, FileNotFoundError | oe.NotFoundError):
+            return CacheNotFoundError(f"no object at {where}")
+        if isinstance(exc, oe.UnauthenticatedError | oe.PermissionDeniedError):
+            return CacheIOError(f"access to {where} was refused (credentials?): {text}")
+        return CacheIOError(f"object storage failed on {where}: {text}")
+
+    def get(self, path: str) -> bytes:
+        import obstore
+
+        try:
+            return bytes(obstore.get(self.store, path).bytes())
+        except Exception as exc:
+            raise self.error(path, exc) from exc
+
+    def download(self, path: str, target: Path) -> int:
+        import obstore
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        written = 0
+        try:
+            with target.open("wb") as out:
+                for chunk in obstore.get(self.store, path).stream(min_chunk_size=8 << 20):
+                    out.write(chunk)
+                    written += len(chunk)
+        except Exception as exc:
+            raise self.error(path, exc) from exc
+        return written
+
+    def upload(self, path: str, source: Path) -> None:
+        import obstore
+
+        try:
+            obstore.put(self.store, path, source)
+        except Exception as exc:
+            raise self.error(path, exc) from exc
+
+
+def push(
+    name: str,
+    url: str,
+    *,
+    root: PathLike | None = None,
+    storage_options: StorageOptions = None,
+    progress: bool = True,
+) -> str:
+    """Uploads local cache ``name`` to ``<url>/<name>/``; returns that URL.
+
+    Each file the manifest names is checked against its recorded size and checksum before
+    it is uploaded, and the manifest goes last: a remote reader sees the previous manifest
+    (or none) until every file of the new one is in place. Pushing the same build again
+    uploads it again; pushing another build of ``name`` over a remote one is refused,
+    since readers of the remote cache would find its files replaced under them.
+
+    Raises
+    ------
+    CacheNotFoundError
+        No cache ``name`` under the local root.
+    CacheCorruptError
+        A local file does not match the manifest; nothing of the manifest is uploaded.
+    CacheIOError
+        The object store failed (the message names the object, and the bucket if missing).
+    ArgumentError
+        Another build of ``name`` is already there.
+    """
+    root_path = resolve_root(root)
+    store = _native.Store(str(root_path))
+    manifest = store.manifest(name)
+    remote = _Remote(url, name, storage_options)
+    existing = _remote_manifest(remote)
+    if existing is not None and existing.get("cache_id") != manifest.cache_id:
+        raise ArgumentError(
+            f"{remote.url} holds another build of {name!r} (cache_id "
+            f"{existing.get('cache_id')}, this one {manifest.cache_id}); push under another "
+            "name, or remove the remote one first"
+        )
+    local = root_path / name
+    files = manifest.files
+    bar = BuildProgress(f"push {name}", nbytes=lambda: done, enabled=progress, total=len(files))
+    done, ok = 0, False
+    try:
+        for count, (file, checksum) in enumerate(files, 1):
+            _check_local(local / file, checksum)
+            remote.upload(file, local / file)
+            done += (local / file).stat().st_size
+            bar.update(count)
+        bar.settle(len(files))
+        remote.upload("manifest.json", local / "manifest.json")
+        ok = True
+    finally:
+        bar.close(ok=ok)
+    return remote.url
+
+
+def _check_local(path: Path, expected: str | None) -> None:
+    """Refuses a local file whose checksum is not what the manifest records."""
+    if expected is None:  # metadata of caches written before checksums were recorded
+        return
+    _, found = _native.file_checksum(path)
+    if found != expected:
+        raise CacheCorruptError(
+            f"{path} does not match its manifest (checksum {found}, recorded {expected}); "
+            "check the cache with `dataset-rt verify` before pushing it"
+        )
+
+
+def _remote_manifest(remote: _Remote) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(remote.get("manifest.json")))
+    except CacheNotFoundError:
+        return None
+
+
+def pull(
+    url: str,
+    name: str,
+    *,
+    root: PathLike | None = None,
+    storage_options: StorageOptions = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Cache:
+    """Downloads cache ``name`` from ``<url>/<name>/`` into the local root; returns it.
+
+    The files go into a hidden directory first; every file and record is then checked
+    against the downloaded manifest, and only an intact, complete copy is published under
+    ``name``, in one atomic step. A local cache of that name is kept if it is the same
+    build (nothing is downloaded) and replaced only with ``overwrite=True`` otherwise.
+
+    Raises
+    ------
+    CacheNotFoundError
+        No cache ``name`` under ``url``.
+    CacheCorruptError
+        A downloaded file or record does not match the manifest; nothing is published.
+    CacheIOError
+        The object store failed (the message names the object, and the bucket if missing).
+    ArgumentError
+        Another build of ``name`` exists locally and ``overwrite`` is False.
+    """
+    root_path = resolve_root(root)
+    root_path.mkdir(parents=True, exist_ok=True)
+    remote = _Remote(url, name, storage_options)
+    text = _remote_manifest(remote)
+    if text is None:
+        raise CacheNotFoundError(f"no cache {name!r} under {url} ({remote.where('manifest.json')})")
+    store = _native.Store(str(root_path))
+    with store.lock(name) as lock:
+        if store.exists(name):
+            local_id = store.manifest(name).cache_id
+            if local_id == text.get("cache_id"):
+                return Cache(registry.open_reader(root_path, name), root_path)
+            if not overwrite:
+                raise ArgumentError(
+                    f"{root_path / name} holds another build of {name!r} (cache_id "
+                    f"{local_id}, the remote one {text.get('cache_id')}); pass "
+                    "overwrite=True to replace it"
+                )
+        copy = Path(store.begin_copy(lock))
+        ok = False
+        try:
+            (copy / "manifest.json").write_text(json.dumps(text))
+            files = [file for file, _ in _native.read_manifest(copy).files]
+            bar = BuildProgress(
+                f"pull {name}", nbytes=lambda: done, enabled=progress, total=len(files)
+            )
+            done = 0
+            try:
+                for count, file in enumerate(files, 1):
+                    done += remote.download(file, copy / file)
+                    bar.update(count)
+                bar.settle(len(files))
+                store.publish_copy(lock, copy)
+                ok = True
+            finally:
+                bar.close(ok=ok)
+        finally:
+            if not ok:
+                store.discard_copy(copy)
+    return Cache(registry.open_reader(root_path, name), root_path)
