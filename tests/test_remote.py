@@ -3,15 +3,20 @@ server, a real HTTP server in its own process; never an in-process mock of the c
 
 from __future__ import annotations
 
+import http.client
 import json
+import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import boto3
 import numpy as np
@@ -70,7 +75,8 @@ def s3(server: str) -> Any:
 
 @pytest.fixture
 def bucket(s3: Any, request: pytest.FixtureRequest) -> str:
-    name = request.node.name.lower().replace("_", "-")[:50].strip("-")
+    test = request.node.originalname.removeprefix("test_").replace("_", "-")[:40].strip("-")
+    name = f"{test}-{secrets.token_hex(4)}"
     s3.create_bucket(Bucket=name)
     return name
 
@@ -221,3 +227,132 @@ def test_the_command_line_pushes_and_pulls(
     )
     assert missing.returncode == 1 and "no cache 'nothing' under" in missing.stderr
     assert json.loads((copy.path / "manifest.json").read_text())["cache_id"] == grown.cache_id
+
+
+class FaultyProxy:
+    """An HTTP proxy on 127.0.0.1 in front of the S3 server that fails chosen requests:
+    ``fail`` answers 503, ``drop`` closes the connection without an answer, ``slow`` waits
+    ``delay`` seconds before forwarding. ``every`` picks every n-th request; n = 1 is all."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = urlparse(upstream).netloc
+        self.fault, self.every, self.delay = "none", 0, 0.0
+        self.requests = self.injected = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class names it
+                pass
+
+            def forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                fault = proxy.take()
+                if fault == "drop":
+                    self.close_connection = True
+                    return
+                if fault == "fail":
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if fault == "slow":
+                    time.sleep(proxy.delay)
+                upstream = http.client.HTTPConnection(proxy.upstream, timeout=60)
+                upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
+                response = upstream.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                if self.command == "HEAD":
+                    self.send_header("Content-Length", response.getheader("Content-Length", "0"))
+                else:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                upstream.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def inject(self, fault: str, every: int, delay: float = 0.0) -> None:
+        with self.lock:
+            self.fault, self.every, self.delay = fault, every, delay
+            self.requests = self.injected = 0
+
+    def take(self) -> str:
+        with self.lock:
+            self.requests += 1
+            if self.fault == "none" or self.requests % self.every:
+                return "none"
+            self.injected += 1
+            return self.fault
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(server: str) -> Iterator[FaultyProxy]:
+    faulty = FaultyProxy(server)
+    try:
+        yield faulty
+    finally:
+        faulty.close()
+
+
+@pytest.mark.parametrize(("fault", "every"), [("fail", 3), ("drop", 4)])
+def test_server_errors_and_dropped_connections_are_retried(
+    grown: drt.Cache,
+    bucket: str,
+    options: dict[str, str],
+    proxy: FaultyProxy,
+    tmp_path: Path,
+    fault: str,
+    every: int,
+) -> None:
+    through = {**options, "aws_endpoint_url": proxy.endpoint}
+    proxy.inject(fault, every)
+    push("shared", f"s3://{bucket}", root=grown.root, storage_options=through, progress=False)
+    pushed = proxy.injected
+    copy = pull(f"s3://{bucket}", "shared", root=tmp_path / "p", storage_options=through)
+    assert pushed > 0 and proxy.injected > pushed, "faults were injected both ways"
+    assert copy.cache_id == grown.cache_id
+    assert all(copy.get_bytes(i) == grown.get_bytes(i) for i in range(60))
+
+
+def test_a_slow_response_times_out_and_is_read_again(
+    grown: drt.Cache, bucket: str, options: dict[str, str], proxy: FaultyProxy, tmp_path: Path
+) -> None:
+    push("shared", f"s3://{bucket}", root=grown.root, storage_options=options, progress=False)
+    through = {**options, "aws_endpoint_url": proxy.endpoint, "timeout": "1s"}
+    proxy.inject("slow", 3, delay=3.0)
+    copy = pull(f"s3://{bucket}", "shared", root=tmp_path / "p", storage_options=through)
+    assert proxy.injected > 0 and copy.cache_id == grown.cache_id
+
+
+def test_a_server_that_keeps_failing_is_an_error_naming_the_object(
+    grown: drt.Cache, bucket: str, options: dict[str, str], proxy: FaultyProxy, tmp_path: Path
+) -> None:
+    push("shared", f"s3://{bucket}", root=grown.root, storage_options=options, progress=False)
+    through = {**options, "aws_endpoint_url": proxy.endpoint}
+    proxy.inject("fail", 1)
+    start = time.monotonic()
+    with pytest.raises(CacheIOError, match=rf"object storage failed on s3://{bucket}/shared/"):
+        pull(f"s3://{bucket}", "shared", root=tmp_path / "p", storage_options=through)
+    assert time.monotonic() - start < 45, "retries stop after a bounded time"
+    assert proxy.requests > 1, "the request was retried before giving up"
+    proxy.inject("none", 1)
+    with pytest.raises(CacheNotFoundError):
+        drt.open("shared", root=tmp_path / "p")

@@ -8,16 +8,19 @@ last, so a reader of the remote root never finds a cache whose files are not all
 file and record against the manifest, and publishes it under its name in one atomic step.
 
 Storage goes through obstore, the Python binding of the Rust ``object_store`` crate that
-Polars' own cloud readers use; ``storage_options`` take the keys Polars takes
+Polars' own cloud readers use. ``storage_options`` take the keys Polars takes
 (``aws_endpoint_url``, ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_region``,
 ``aws_allow_http``, ...), and without them the standard environment variables and profiles
-apply.
+apply. A request that fails with a server error, a dropped connection or (when reading) a
+timeout is retried with backoff for a few seconds, then raised as
+:class:`~dataset_rt.errors.CacheIOError` naming the object.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -55,6 +58,18 @@ _CLIENT_KEYS = {
     "user_agent",
 }
 _PREFIXES = ("aws_", "google_", "azure_")
+# Requests that fail with a 5xx, a dropped connection or (reads) a timeout are retried with
+# exponential backoff and jitter, then raised: a few seconds of trying, not object_store's
+# default of minutes.
+_RETRY = {
+    "max_retries": 5,
+    "backoff": {
+        "init_backoff": timedelta(milliseconds=100),
+        "max_backoff": timedelta(seconds=5),
+        "base": 2,
+    },
+    "retry_timeout": timedelta(seconds=60),
+}
 
 
 def is_url(root: object) -> bool:
@@ -92,7 +107,9 @@ class _Remote:
         # Typed per provider by obstore; the keys are the user's, checked by object_store.
         from_url: Any = obstore.store.from_url
         try:
-            self.store = from_url(self.url, config=config, client_options=client)
+            self.store = from_url(
+                self.url, config=config, client_options=client, retry_config=_RETRY
+            )
         except BaseException as exc:  # obstore raises panics for some bad options
             raise ArgumentError(f"cannot reach {self.url} with these options: {exc}") from None
 
