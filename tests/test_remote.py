@@ -237,7 +237,7 @@ class FaultyProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = urlparse(upstream).netloc
         self.fault, self.every, self.delay = "none", 0, 0.0
-        self.requests = self.injected = 0
+        self.requests = self.injected = self.active = self.most_active = 0
         self.lock = threading.Lock()
         proxy = self
 
@@ -248,13 +248,33 @@ class FaultyProxy:
                 pass
 
             def forward(self) -> None:
+                # A request counts as in flight until its answer starts: the client may send
+                # its next one as soon as it has read this one's.
+                with proxy.lock:
+                    proxy.active += 1
+                    proxy.most_active = max(proxy.most_active, proxy.active)
+                self.counted = True
+                try:
+                    self.relay()
+                finally:
+                    self.answered()
+
+            def answered(self) -> None:
+                if self.counted:
+                    self.counted = False
+                    with proxy.lock:
+                        proxy.active -= 1
+
+            def relay(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 fault = proxy.take()
                 if fault == "drop":
+                    self.answered()
                     self.close_connection = True
                     return
                 if fault == "fail":
+                    self.answered()
                     self.send_response(503)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
@@ -265,6 +285,8 @@ class FaultyProxy:
                 upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
                 response = upstream.getresponse()
                 data = response.read()
+                upstream.close()
+                self.answered()
                 self.send_response(response.status)
                 for key, value in response.getheaders():
                     if key.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -276,7 +298,6 @@ class FaultyProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                upstream.close()
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
 
@@ -288,7 +309,7 @@ class FaultyProxy:
     def inject(self, fault: str, every: int, delay: float = 0.0) -> None:
         with self.lock:
             self.fault, self.every, self.delay = fault, every, delay
-            self.requests = self.injected = 0
+            self.requests = self.injected = self.most_active = 0
 
     def take(self) -> str:
         with self.lock:
@@ -356,3 +377,26 @@ def test_a_server_that_keeps_failing_is_an_error_naming_the_object(
     proxy.inject("none", 1)
     with pytest.raises(CacheNotFoundError):
         drt.open("shared", root=tmp_path / "p")
+
+
+def test_files_move_in_parallel_with_a_bounded_number_in_flight(
+    bucket: str, options: dict[str, str], proxy: FaultyProxy, tmp_path: Path
+) -> None:
+    many = drt.cache(
+        [bytes([i % 256]) * 900 for i in range(120)],
+        "many-shards",
+        root=tmp_path / "local",
+        serializer=bytes,
+        decode=bytes,
+        shard_size=1024,
+        progress=False,
+    )
+    assert many.num_shards == 120
+    through = {**options, "aws_endpoint_url": proxy.endpoint}
+    proxy.inject("slow", 1, delay=0.05)
+    push("many-shards", f"s3://{bucket}", root=many.root, storage_options=through, progress=False)
+    assert 1 < proxy.most_active <= 8, proxy.most_active
+    proxy.inject("slow", 1, delay=0.05)
+    copy = pull(f"s3://{bucket}", "many-shards", root=tmp_path / "p", storage_options=through)
+    assert 1 < proxy.most_active <= 8, proxy.most_active
+    assert [copy.get_bytes(i) for i in range(120)] == [many.get_bytes(i) for i in range(120)]

@@ -50,7 +50,14 @@ class _BatchMemory:
         """An uninitialized tensor of ``shape`` and ``dtype`` on pooled memory."""
         nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
-            index = next((i for i, b in enumerate(self._free) if len(b) == nbytes), None)
+            # The most recently freed buffer of this size: its pages are the likeliest to
+            # be in the CPU's caches, and a steady loop cycles through the fewest buffers
+            # (taking the oldest would rotate through every free one, leftovers of earlier
+            # loaders included).
+            index = next(
+                (i for i in reversed(range(len(self._free))) if len(self._free[i]) == nbytes),
+                None,
+            )
             memory = self._free.pop(index) if index is not None else None
         if memory is None:
             memory = mmap.mmap(-1, nbytes)

@@ -19,10 +19,11 @@ timeout is retried with backoff for a few seconds, then raised as
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from dataset_rt import _native, registry
@@ -162,6 +163,41 @@ class _Remote:
             raise self.error(path, exc) from exc
 
 
+# Transfers in flight at once: object stores serve many requests in parallel, and each
+# one waits on the network more than on this machine (obstore releases the GIL).
+_IN_FLIGHT = 8
+
+T = TypeVar("T")
+
+
+def _in_parallel(
+    items: Sequence[T], transfer: Callable[[T], int], label: str, progress: bool
+) -> None:
+    """Runs ``transfer(item)`` for every item, ``_IN_FLIGHT`` at a time, with one progress line.
+
+    ``transfer`` returns the bytes it moved. The first failure cancels what has not started
+    and is raised.
+    """
+    moved = [0]
+    bar = BuildProgress(label, nbytes=lambda: moved[0], enabled=progress, total=len(items))
+    ok = False
+    try:
+        with ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="drt-transfer") as pool:
+            pending = [pool.submit(transfer, item) for item in items]
+            try:
+                for count, future in enumerate(as_completed(pending), 1):
+                    moved[0] += future.result()
+                    bar.update(count)
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                raise
+        bar.settle(len(items))
+        ok = True
+    finally:
+        bar.close(ok=ok)
+
+
 def push(
     name: str,
     url: str,
@@ -201,20 +237,15 @@ def push(
             "name, or remove the remote one first"
         )
     local = root_path / name
-    files = manifest.files
-    bar = BuildProgress(f"push {name}", nbytes=lambda: done, enabled=progress, total=len(files))
-    done, ok = 0, False
-    try:
-        for count, (file, checksum) in enumerate(files, 1):
-            _check_local(local / file, checksum)
-            remote.upload(file, local / file)
-            done += (local / file).stat().st_size
-            bar.update(count)
-        bar.settle(len(files))
-        remote.upload("manifest.json", local / "manifest.json")
-        ok = True
-    finally:
-        bar.close(ok=ok)
+
+    def upload(entry: tuple[str, str | None]) -> int:
+        file, checksum = entry
+        _check_local(local / file, checksum)
+        remote.upload(file, local / file)
+        return (local / file).stat().st_size
+
+    _in_parallel(manifest.files, upload, f"push {name}", progress)
+    remote.upload("manifest.json", local / "manifest.json")
     return remote.url
 
 
@@ -287,19 +318,13 @@ def pull(
         try:
             (copy / "manifest.json").write_text(json.dumps(text))
             files = [file for file, _ in _native.read_manifest(copy).files]
-            bar = BuildProgress(
-                f"pull {name}", nbytes=lambda: done, enabled=progress, total=len(files)
-            )
-            done = 0
-            try:
-                for count, file in enumerate(files, 1):
-                    done += remote.download(file, copy / file)
-                    bar.update(count)
-                bar.settle(len(files))
-                store.publish_copy(lock, copy)
-                ok = True
-            finally:
-                bar.close(ok=ok)
+
+            def download(file: str) -> int:
+                return remote.download(file, copy / file)
+
+            _in_parallel(files, download, f"pull {name}", progress)
+            store.publish_copy(lock, copy)
+            ok = True
         finally:
             if not ok:
                 store.discard_copy(copy)
