@@ -400,3 +400,11 @@ def test_files_move_in_parallel_with_a_bounded_number_in_flight(
     copy = pull(f"s3://{bucket}", "many-shards", root=tmp_path / "p", storage_options=through)
     assert 1 < proxy.most_active <= 8, proxy.most_active
     assert [copy.get_bytes(i) for i in range(120)] == [many.get_bytes(i) for i in range(120)]
+
+
+def test_a_file_url_is_a_remote_root_too(grown: drt.Cache, tmp_path: Path) -> None:
+    url = (tmp_path / "shared-disk").as_uri()
+    assert push("shared", url, root=grown.root, progress=False) == f"{url}/shared"
+    assert (tmp_path / "shared-disk" / "shared" / "manifest.json").is_file()
+    copy = pull(url, "shared", root=tmp_path / "p", progress=False)
+    assert copy.cache_id == grown.cache_id and copy.get_bytes(59) == grown.get_bytes(59)

@@ -42,7 +42,7 @@ __all__ = ["is_url", "pull", "push"]
 StorageOptions = Mapping[str, Any] | None
 """Options for the object store, with the keys Polars' cloud readers take."""
 
-_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "file", "memory"}
+_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "file"}
 # Keys object_store takes as HTTP client options rather than as the store's configuration,
 # with or without a provider prefix (Polars passes both kinds in one dict).
 _CLIENT_KEYS = {
@@ -108,10 +108,15 @@ class _Remote:
         # Typed per provider by obstore; the keys are the user's, checked by object_store.
         from_url: Any = obstore.store.from_url
         try:
-            self.store = from_url(
-                self.url, config=config, client_options=client, retry_config=_RETRY
-            )
-        except BaseException as exc:  # obstore raises panics for some bad options
+            if urlparse(self.url).scheme == "file":  # a directory: no client, nothing to retry
+                self.store = from_url(self.url, mkdir=True)
+            else:
+                self.store = from_url(
+                    self.url, config=config, client_options=client, retry_config=_RETRY
+                )
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # obstore panics (a BaseException) on some bad options
             raise ArgumentError(f"cannot reach {self.url} with these options: {exc}") from None
 
     def where(self, path: str) -> str:
@@ -125,7 +130,7 @@ class _Remote:
         where = self.where(path)
         if "NoSuchBucket" in str(exc) or "bucket does not exist" in str(exc).lower():
             bucket = urlparse(self.url).netloc
-            return CacheIOError(f"bucket {bucket!r} does not exist (reading {where})")
+            return CacheIOError(f"bucket {bucket!r} does not exist (at {where})")
         if isinstance(exc, FileNotFoundError | oe.NotFoundError):
             return CacheNotFoundError(f"no object at {where}")
         if isinstance(exc, oe.UnauthenticatedError | oe.PermissionDeniedError):
