@@ -79,6 +79,13 @@ Source = Iterable[Any] | MapStyle | Callable[[], Iterable[Any] | MapStyle]
 indices ``0`` to ``len - 1``), or a zero-argument callable returning either."""
 
 
+def check_name(name: object) -> None:
+    """Refuses a cache name that is not a str or not allowed (``CacheNameError``)."""
+    if not isinstance(name, str):
+        raise ArgumentError(f"name must be a str, not {type(name).__name__}")
+    _native.validate_name(name)
+
+
 def _try_open(root: Path, name: str, decode: Decoder | None) -> Cache | None:
     try:
         reader = registry.open_reader(root, name)
@@ -183,9 +190,7 @@ def cache(
         A process of a ``num_proc`` build died; nothing was built.
     """
     procs = _check_num_proc(num_proc)
-    if not isinstance(name, str):
-        raise ArgumentError(f"name must be a str, not {type(name).__name__}")
-    _native.validate_name(name)
+    check_name(name)
     if shard_size < 1024:
         raise ArgumentError(f"shard_size must be at least 1024 bytes, got {shard_size}")
     resolve_serializer(serializer)  # an unknown one is refused before anything is written
@@ -282,9 +287,7 @@ def append(
         position in ``source``. Nothing is appended.
     """
     procs = _check_num_proc(num_proc)
-    if not isinstance(name, str):
-        raise ArgumentError(f"name must be a str, not {type(name).__name__}")
-    _native.validate_name(name)
+    check_name(name)
     root_path = resolve_root(root)
     store = _native.Store(str(root_path))
     with store.lock(name) as lock:

@@ -25,11 +25,14 @@ from dataset_rt.build import (
     DEFAULT_SHARD_SIZE,
     PARTS_DIR,
     Compression,
+    _Options,
+    _try_open,
     _write_records,
+    check_name,
     compression_args,
 )
 from dataset_rt.caches import Cache, write_version_plan
-from dataset_rt.errors import ArgumentError, CacheNotFoundError
+from dataset_rt.errors import ArgumentError
 from dataset_rt.metadata import MetadataCollector
 from dataset_rt.roots import PathLike, resolve_root
 from dataset_rt.serialize import resolve_serializer
@@ -108,22 +111,27 @@ def cache(
     """
     if not isinstance(ds, ray.data.Dataset):
         raise ArgumentError(f"ds must be a ray.data.Dataset, not {type(ds).__name__}")
-    if not isinstance(name, str):
-        raise ArgumentError(f"name must be a str, not {type(name).__name__}")
-    _native.validate_name(name)
-    codec = compression_args(compression)
-    row_metadata = _metadata_function(metadata)
+    check_name(name)
+    options = _Options(
+        name,
+        _metadata_function(metadata),
+        "pickle",
+        progress,
+        DEFAULT_SHARD_SIZE,
+        DEFAULT_ALIGNMENT,
+        compression_args(compression),
+    )
     root_path = resolve_root(root)
-    existing = _try_open(root_path, name)
+    existing = _try_open(root_path, name, None)
     if existing is not None:
         return existing
     store = _native.Store(str(root_path))
     with store.lock(name) as lock:
-        existing = _try_open(root_path, name)
+        existing = _try_open(root_path, name, None)
         if existing is not None:
             return existing
-        builder = store.begin_build(lock, DEFAULT_SHARD_SIZE, DEFAULT_ALIGNMENT, *codec)
-        sink = _CacheDatasink(builder, row_metadata, codec)
+        builder = store.begin_build(lock, *options.layout)
+        sink = _CacheDatasink(builder, options)
         context = ray.data.DataContext.get_current()
         saved = context.enable_progress_bars, context.execution_options.preserve_order
         # Blocks reach the write tasks in the dataset's order, so that the tasks' order is
@@ -137,13 +145,6 @@ def cache(
             if not sink.committed:
                 builder.abort()
     return Cache(registry.open_reader(root_path, name), root_path)
-
-
-def _try_open(root: Path, name: str) -> Cache | None:
-    try:
-        return Cache(registry.open_reader(root, name), root)
-    except CacheNotFoundError:
-        return None
 
 
 def _metadata_function(
@@ -198,16 +199,11 @@ class _CacheDatasink(Datasink[_TaskResult]):
     The driver keeps the build (``builder``); the tasks receive a copy without it.
     """
 
-    def __init__(
-        self,
-        builder: _native.CacheBuilder,
-        metadata: Callable[[dict[str, Any]], Mapping[str, Any]] | None,
-        codec: tuple[str, int | None],
-    ) -> None:
+    def __init__(self, builder: _native.CacheBuilder, options: _Options) -> None:
         self.builder: _native.CacheBuilder | None = builder
         self.build_dir = str(builder.path)
-        self.metadata = metadata
-        self.layout = (DEFAULT_SHARD_SIZE, DEFAULT_ALIGNMENT, *codec)
+        self.metadata = options.metadata
+        self.layout = options.layout
         self.committed = False
 
     def __getstate__(self) -> dict[str, Any]:

@@ -235,10 +235,11 @@ def push(
     manifest = store.manifest(name)
     remote = _Remote(url, name, storage_options)
     existing = _remote_manifest(remote)
-    if existing is not None and existing.get("cache_id") != manifest.cache_id:
+    remote_id = None if existing is None else existing[1].get("cache_id")
+    if existing is not None and remote_id != manifest.cache_id:
         raise ArgumentError(
             f"{remote.url} holds another build of {name!r} (cache_id "
-            f"{existing.get('cache_id')}, this one {manifest.cache_id}); push under another "
+            f"{remote_id}, this one {manifest.cache_id}); push under another "
             "name, or remove the remote one first"
         )
     local = root_path / name
@@ -266,11 +267,13 @@ def _check_local(path: Path, expected: str | None) -> None:
         )
 
 
-def _remote_manifest(remote: _Remote) -> dict[str, Any] | None:
+def _remote_manifest(remote: _Remote) -> tuple[bytes, dict[str, Any]] | None:
+    """The remote manifest as stored, and parsed; None if there is none."""
     try:
-        return dict(json.loads(remote.get("manifest.json")))
+        raw = remote.get("manifest.json")
     except CacheNotFoundError:
         return None
+    return raw, dict(json.loads(raw))
 
 
 def pull(
@@ -303,9 +306,10 @@ def pull(
     root_path = resolve_root(root)
     root_path.mkdir(parents=True, exist_ok=True)
     remote = _Remote(url, name, storage_options)
-    text = _remote_manifest(remote)
-    if text is None:
+    found = _remote_manifest(remote)
+    if found is None:
         raise CacheNotFoundError(f"no cache {name!r} under {url} ({remote.where('manifest.json')})")
+    raw, text = found
     store = _native.Store(str(root_path))
     with store.lock(name) as lock:
         if store.exists(name):
@@ -321,7 +325,7 @@ def pull(
         copy = Path(store.begin_copy(lock))
         ok = False
         try:
-            (copy / "manifest.json").write_text(json.dumps(text))
+            (copy / "manifest.json").write_bytes(raw)  # byte for byte, as pushed
             files = [file for file, _ in _native.read_manifest(copy).files]
 
             def download(file: str) -> int:

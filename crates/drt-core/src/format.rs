@@ -106,17 +106,14 @@ impl Part {
         }
         self
     }
-}
 
-impl Part {
     /// The part with its files' paths moved from directory `from` to directory `to` (both
     /// relative to the cache directory): what [`relocated`](Self::relocated) did, redone.
-    pub fn moved(self, from: &str, to: &str) -> Result<Part> {
-        let mut moved = self;
-        for entry in moved
+    pub fn moved(mut self, from: &str, to: &str) -> Result<Part> {
+        for entry in self
             .shards
             .iter_mut()
-            .chain(std::iter::once(&mut moved.index))
+            .chain(std::iter::once(&mut self.index))
         {
             let Some(inner) = entry
                 .file
@@ -130,7 +127,7 @@ impl Part {
             };
             entry.file = format!("{to}/{inner}");
         }
-        Ok(moved)
+        Ok(self)
     }
 }
 

@@ -30,6 +30,11 @@ fn append_record(
     }
 }
 
+/// Parts other processes wrote, from their `PartWriter.finish` texts.
+fn parse_parts(texts: &[String]) -> drt_core::Result<Vec<Part>> {
+    texts.iter().map(|text| Part::from_json(text)).collect()
+}
+
 #[pyclass(name = "CacheBuilder", module = "dataset_rt._native")]
 pub struct PyCacheBuilder {
     session: BuildSession,
@@ -89,10 +94,7 @@ impl PyCacheBuilder {
     fn finish(&mut self, py: Python<'_>, serializer: String, parts: Vec<String>) -> PyResult<()> {
         let lock = self.lock.clone_ref(py);
         run(py, || {
-            let parts = parts
-                .iter()
-                .map(|text| Part::from_json(text))
-                .collect::<drt_core::Result<Vec<_>>>()?;
+            let parts = parse_parts(&parts)?;
             lock.get()
                 .with(|held| self.session.finish_with_parts(held, serializer, parts))
         })
@@ -173,10 +175,7 @@ impl PyAppendSession {
     fn commit(&mut self, py: Python<'_>, parts: Vec<String>) -> PyResult<u32> {
         let lock = self.lock.clone_ref(py);
         run(py, || {
-            let parts = parts
-                .iter()
-                .map(|text| Part::from_json(text))
-                .collect::<drt_core::Result<Vec<_>>>()?;
+            let parts = parse_parts(&parts)?;
             lock.get()
                 .with(|held| self.session.commit_with_parts(held, parts))
         })
