@@ -119,11 +119,7 @@ def main() -> None:
         "drt.cache": [],
         "drt.cache+meta": [],
         "drt.open": [],
-        "dataset: read + serialize": [],
-        "dataset: num_proc=1": [],
-        "dataset: num_proc=2": [],
     }
-    dataset = Generated(args.records, args.record_kb)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for round_ in range(args.rounds + 1):  # round 0 warms up and is discarded
@@ -147,40 +143,15 @@ def main() -> None:
                 )
             )
             t_open = timed(lambda: drt.open("bench-build", root=root).get(0))
-
-            def read_and_serialize() -> None:
-                for i in range(len(dataset)):
-                    pickle.dumps(dataset[i], protocol=5)
-
-            by_procs = [
-                timed(
-                    lambda k=k: drt.cache(
-                        dataset,
-                        "bench-dataset",
-                        root=root,
-                        metadata=lambda r: {"label": r["label"]},
-                        num_proc=k,
-                        overwrite=True,
-                        progress=False,
-                    )
-                )
-                for k in (1, 2)
-            ]
-            t_read = timed(read_and_serialize)
             if round_ > 0:
                 rows["serialize only"].append(t_ser)
                 rows["drt.cache"].append(t_build)
                 rows["drt.cache+meta"].append(t_meta)
                 rows["drt.open"].append(t_open)
-                rows["dataset: read + serialize"].append(t_read)
-                rows["dataset: num_proc=1"].append(by_procs[0])
-                rows["dataset: num_proc=2"].append(by_procs[1])
 
     print(f"\n{'step':<27}{'median s':>10}{'spread s':>10}{'records/s':>12}{'MB/s':>9}{'ratio':>8}")
+    base = statistics.median(rows["serialize only"])
     for step, times in rows.items():
-        base = statistics.median(
-            rows["dataset: read + serialize" if step.startswith("dataset") else "serialize only"]
-        )
         med = statistics.median(times)
         spread = max(times) - min(times)
         if step == "drt.open":
@@ -194,34 +165,32 @@ def main() -> None:
     print(
         "\nratio = serialize-only time / step time (P6 target for drt.cache: >= 0.8)\n"
         "drt.cache writes and fsyncs every shard; +meta also calls a metadata() lambda per\n"
-        "record and writes the Parquet table. dataset rows: ratio to reading and serializing\n"
-        "the dataset in one process (num_proc=k target: >= 0.85 k on k free cores)."
+        "record and writes the Parquet table."
     )
-    if args.ray:
-        build_from_datasets(args, procs=(), with_ray=True)
+    build_from_datasets(args)
     if args.compression:
         compare_compression(records, "images", args.rounds)
         compare_compression(make_tokens(args.records), "tokens", args.rounds)
 
 
-def build_from_datasets(
-    args: argparse.Namespace, procs: tuple[int, ...] = (1, 2), with_ray: bool | None = None
-) -> None:
-    """The map-style dataset alone: read + serialize, num_proc 1 and 2, and Ray (2 CPUs)."""
-    with_ray = args.ray if with_ray is None else with_ray
+def build_from_datasets(args: argparse.Namespace) -> None:
+    """Builds the map-style dataset with ``num_proc`` 1 and 2 (and Ray on 2 CPUs).
+
+    Each against reading and serializing it alone in one process, in the same round.
+    """
     dataset = Generated(args.records, args.record_kb)
     nbytes = sum(len(pickle.dumps(dataset[i], protocol=5)) for i in range(min(1000, len(dataset))))
     nbytes = nbytes * len(dataset) // min(1000, len(dataset))
     print(f"\ndataset: {len(dataset):,} records of ~{nbytes / len(dataset) / 1024:.1f} KiB")
-    rows: dict[str, list[float]] = {"read + serialize": []}
-    rows.update({f"num_proc={k}": [] for k in procs})
-    if with_ray:
+    steps = ["read + serialize", "num_proc=1", "num_proc=2"]
+    if args.ray:
         import ray
 
         import dataset_rt.ray
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        rows["ray, 2 CPUs"] = []
+        steps.append("ray, 2 CPUs")
+    rows: dict[str, list[float]] = {f"dataset: {step}": [] for step in steps}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
@@ -233,7 +202,7 @@ def build_from_datasets(
                         pickle.dumps(dataset[i], protocol=5)
 
                 times["read + serialize"] = timed(read_and_serialize)
-                for k in procs:
+                for k in (1, 2):
                     times[f"num_proc={k}"] = timed(
                         lambda k=k: drt.cache(
                             dataset,
@@ -248,7 +217,7 @@ def build_from_datasets(
                     drt_dir = root / "bench-dataset"
                     if drt_dir.exists():
                         shutil.rmtree(drt_dir)
-                if with_ray:
+                if args.ray:
                     name = f"bench-ray-{round_}"
                     times["ray, 2 CPUs"] = timed(
                         lambda name=name: dataset_rt.ray.cache(
@@ -262,11 +231,11 @@ def build_from_datasets(
                     shutil.rmtree(root / name)
                 if round_ > 0:
                     for step, t in times.items():
-                        rows[step].append(t)
+                        rows[f"dataset: {step}"].append(t)
     finally:
-        if with_ray:
+        if args.ray:
             ray.shutdown()
-    base = statistics.median(rows["read + serialize"])
+    base = statistics.median(rows["dataset: read + serialize"])
     print(f"{'step':<27}{'median s':>10}{'spread s':>10}{'records/s':>12}{'MB/s':>9}{'ratio':>8}")
     for step, times_ in rows.items():
         med = statistics.median(times_)
@@ -274,7 +243,10 @@ def build_from_datasets(
             f"{step:<27}{med:>10.3f}{max(times_) - min(times_):>10.3f}"
             f"{args.records / med:>12,.0f}{nbytes / med / 1e6:>9.0f}{base / med:>8.2f}"
         )
-    print("ratio = reading and serializing the dataset in one process / step time")
+    print(
+        "ratio = reading and serializing the dataset in one process / step time\n"
+        "(num_proc=k target: >= 0.85 k on k free cores)"
+    )
 
 
 def compare_compression(records: list[dict[str, Any]], label: str, rounds: int) -> None:
