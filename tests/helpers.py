@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -77,3 +82,106 @@ class Squares:
         if index == self.fail_at:
             raise ValueError(f"unreadable file for {index}")
         return {"i": index, "sq": np.full(4, index * index), "tag": f"t{index % 3}"}
+
+
+class FaultyProxy:
+    """An HTTP proxy on 127.0.0.1 in front of the S3 server that fails chosen requests:
+    ``fail`` answers 503, ``drop`` closes the connection without an answer, ``slow`` waits
+    ``delay`` seconds before forwarding. ``every`` picks every n-th request; n = 1 is all."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = urlparse(upstream).netloc
+        self.fault, self.every, self.delay = "none", 0, 0.0
+        self.requests = self.injected = self.active = self.most_active = 0
+        self.seen: list[tuple[str, str]] = []  # (method, path) of every request
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class names it
+                pass
+
+            def forward(self) -> None:
+                # A request counts as in flight until its answer starts: the client may send
+                # its next one as soon as it has read this one's.
+                with proxy.lock:
+                    proxy.active += 1
+                    proxy.most_active = max(proxy.most_active, proxy.active)
+                self.counted = True
+                try:
+                    self.relay()
+                finally:
+                    self.answered()
+
+            def answered(self) -> None:
+                if self.counted:
+                    self.counted = False
+                    with proxy.lock:
+                        proxy.active -= 1
+
+            def relay(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                fault = proxy.take(self.command, self.path)
+                if fault == "drop":
+                    self.answered()
+                    self.close_connection = True
+                    return
+                if fault == "fail":
+                    self.answered()
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if fault == "slow":
+                    time.sleep(proxy.delay)
+                upstream = http.client.HTTPConnection(proxy.upstream, timeout=60)
+                upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
+                response = upstream.getresponse()
+                data = response.read()
+                upstream.close()
+                self.answered()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                if self.command == "HEAD":
+                    self.send_header("Content-Length", response.getheader("Content-Length", "0"))
+                else:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def inject(self, fault: str, every: int, delay: float = 0.0) -> None:
+        with self.lock:
+            self.fault, self.every, self.delay = fault, every, delay
+            self.requests = self.injected = self.most_active = 0
+            self.seen = []
+
+    def take(self, method: str, path: str) -> str:
+        with self.lock:
+            self.seen.append((method, path))
+            self.requests += 1
+            if self.fault == "none" or self.requests % self.every:
+                return "none"
+            self.injected += 1
+            return self.fault
+
+    def gets(self, part: str) -> list[str]:
+        """The paths of the GET requests so far whose path contains ``part``."""
+        with self.lock:
+            return [path for method, path in self.seen if method == "GET" and part in path]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

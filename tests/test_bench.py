@@ -31,8 +31,12 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["serialize.py", "--smoke"], ["bare copy", "zero-copy (default)", "pickle in band"]),
         (["access.py", "--smoke"], ["mmap, one by one", "get, one by one", "get_many, 256"]),
         (["startup.py", "--smoke"], ["metadata  import", "scan()    import", "anonymous"]),
+        (
+            ["remote.py", "--smoke"],
+            ["open + metadata ready, s3://", "0 of them shards", "second epoch", "fetched over"],
+        ),
     ],
-    ids=["build", "build-ray", "metadata", "loader", "serialize", "access", "startup"],
+    ids=["build", "build-ray", "metadata", "loader", "serialize", "access", "startup", "remote"],
 )
 def test_benchmark_runs_and_prints_its_table(args: list[str], expected: list[str]) -> None:
     result = subprocess.run(

@@ -3,25 +3,16 @@ server, a real HTTP server in its own process; never an in-process mock of the c
 
 from __future__ import annotations
 
-import http.client
 import json
-import secrets
-import socket
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
-import boto3
 import numpy as np
 import pytest
-from helpers import record, same_record
+from helpers import FaultyProxy, record, same_record
 
 import dataset_rt as drt
 from dataset_rt.errors import (
@@ -31,66 +22,6 @@ from dataset_rt.errors import (
     CacheNotFoundError,
 )
 from dataset_rt.remote import pull, push
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    """A moto S3 server on an ephemeral port of 127.0.0.1; its endpoint URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("the moto server did not start") from None
-                time.sleep(0.1)
-        yield endpoint
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-@pytest.fixture
-def s3(server: str) -> Any:
-    """A boto3 client of the server: the test's own view of the bucket's objects."""
-    return boto3.client(
-        "s3",
-        endpoint_url=server,
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        region_name="us-east-1",
-    )
-
-
-@pytest.fixture
-def bucket(s3: Any, request: pytest.FixtureRequest) -> str:
-    test = request.node.originalname.removeprefix("test_").replace("_", "-")[:40].strip("-")
-    name = f"{test}-{secrets.token_hex(4)}"
-    s3.create_bucket(Bucket=name)
-    return name
-
-
-@pytest.fixture
-def options(server: str) -> dict[str, str]:
-    """Storage options with the keys Polars takes."""
-    return {
-        "aws_endpoint_url": server,
-        "aws_access_key_id": "test",
-        "aws_secret_access_key": "test",
-        "aws_region": "us-east-1",
-        "aws_allow_http": "true",
-    }
 
 
 @pytest.fixture
@@ -227,110 +158,6 @@ def test_the_command_line_pushes_and_pulls(
     )
     assert missing.returncode == 1 and "no cache 'nothing' under" in missing.stderr
     assert json.loads((copy.path / "manifest.json").read_text())["cache_id"] == grown.cache_id
-
-
-class FaultyProxy:
-    """An HTTP proxy on 127.0.0.1 in front of the S3 server that fails chosen requests:
-    ``fail`` answers 503, ``drop`` closes the connection without an answer, ``slow`` waits
-    ``delay`` seconds before forwarding. ``every`` picks every n-th request; n = 1 is all."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = urlparse(upstream).netloc
-        self.fault, self.every, self.delay = "none", 0, 0.0
-        self.requests = self.injected = self.active = self.most_active = 0
-        self.lock = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class names it
-                pass
-
-            def forward(self) -> None:
-                # A request counts as in flight until its answer starts: the client may send
-                # its next one as soon as it has read this one's.
-                with proxy.lock:
-                    proxy.active += 1
-                    proxy.most_active = max(proxy.most_active, proxy.active)
-                self.counted = True
-                try:
-                    self.relay()
-                finally:
-                    self.answered()
-
-            def answered(self) -> None:
-                if self.counted:
-                    self.counted = False
-                    with proxy.lock:
-                        proxy.active -= 1
-
-            def relay(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                fault = proxy.take()
-                if fault == "drop":
-                    self.answered()
-                    self.close_connection = True
-                    return
-                if fault == "fail":
-                    self.answered()
-                    self.send_response(503)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                if fault == "slow":
-                    time.sleep(proxy.delay)
-                upstream = http.client.HTTPConnection(proxy.upstream, timeout=60)
-                upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
-                response = upstream.getresponse()
-                data = response.read()
-                upstream.close()
-                self.answered()
-                self.send_response(response.status)
-                for key, value in response.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(key, value)
-                if self.command == "HEAD":
-                    self.send_header("Content-Length", response.getheader("Content-Length", "0"))
-                else:
-                    self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def inject(self, fault: str, every: int, delay: float = 0.0) -> None:
-        with self.lock:
-            self.fault, self.every, self.delay = fault, every, delay
-            self.requests = self.injected = self.most_active = 0
-
-    def take(self) -> str:
-        with self.lock:
-            self.requests += 1
-            if self.fault == "none" or self.requests % self.every:
-                return "none"
-            self.injected += 1
-            return self.fault
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def proxy(server: str) -> Iterator[FaultyProxy]:
-    faulty = FaultyProxy(server)
-    try:
-        yield faulty
-    finally:
-        faulty.close()
 
 
 @pytest.mark.parametrize(("fault", "every"), [("fail", 3), ("drop", 4)])

@@ -24,13 +24,16 @@ __all__ = [
     "Store",
     "__version__",
     "checked_metadata_table",
+    "epoch_shards",
     "file_checksum",
     "metadata_file",
     "metadata_table_file",
     "plan_file",
     "plan_rows",
     "read_manifest",
+    "register_fetcher",
     "relocate_part",
+    "unregister_fetcher",
     "validate_name",
     "write_plan",
 ]
@@ -47,6 +50,19 @@ def metadata_file(version: int) -> str: ...
 def plan_file(version: int) -> str: ...
 def plan_rows(path: str | PathLike[str]) -> tuple[int, int, bool]: ...
 def read_manifest(path: str | PathLike[str]) -> Manifest: ...
+def register_fetcher(path: str | PathLike[str], fetch: Callable[[str], object]) -> None: ...
+def unregister_fetcher(path: str | PathLike[str]) -> bool: ...
+def epoch_shards(
+    plan_path: str | PathLike[str],
+    cache_dirs: list[str],
+    cache_ids: list[str],
+    schedule: Schedule,
+    *,
+    seed: int,
+    epoch: int,
+    first: int,
+    step: int,
+) -> list[tuple[int, str, int]]: ...
 def relocate_part(part: str, old_dir: str, new_dir: str) -> str: ...
 def checked_metadata_table(
     cache_dir: str | PathLike[str], version: int, expected: str | None = None
@@ -190,6 +206,8 @@ class Manifest:
     def shard_bytes(self) -> int: ...
     @property
     def files(self) -> list[tuple[str, str | None]]: ...
+    @property
+    def shards(self) -> list[tuple[str, int, str]]: ...
     @property
     def created_at(self) -> str: ...
     @property

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing.process
+import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -13,8 +16,9 @@ from typing import Any, Protocol
 import cloudpickle
 import polars as pl
 
-from dataset_rt import _native, registry
+from dataset_rt import _native, registry, roots
 from dataset_rt.caches import Cache, write_version_plan
+from dataset_rt.caches import open as open_cache
 from dataset_rt.errors import (
     ArgumentError,
     CacheCorruptError,
@@ -26,7 +30,7 @@ from dataset_rt.errors import (
 from dataset_rt.metadata import MetadataCollector
 from dataset_rt.processes import SpawnContext
 from dataset_rt.progress import BuildProgress
-from dataset_rt.roots import PathLike, resolve_root
+from dataset_rt.roots import PathLike, resolve_root, root_url
 from dataset_rt.serialize import Decoder, SerializerSpec, as_bytes, resolve_serializer
 
 __all__ = ["append", "cache"]
@@ -108,6 +112,7 @@ def cache(
     alignment: int | None = None,
     num_proc: int | None = None,
     compression: Compression = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Cache:
     """Caches the records of ``source`` once under ``name``, or reuses that cache.
 
@@ -131,8 +136,12 @@ def cache(
         The cache's name: letters, digits and ``. _ + = @ -``; it becomes a directory
         under ``root``.
     root
-        The directory holding the caches; default ``$DATASET_RT_HOME`` or
-        ``~/.cache/dataset_rt``.
+        The directory holding the caches, or an object-storage URL (``s3://bucket/prefix``,
+        ``gs://``, ``az://``, ``file://``); default ``$DATASET_RT_HOME`` (either kind) or
+        ``~/.cache/dataset_rt``. For a URL the cache is built on this machine (under the
+        local directory of :func:`~dataset_rt.open`), then uploaded: payload files first,
+        the manifest last, so that no reader sees it half published. Concurrent builds of
+        one name take turns on one machine only: build a remote cache from one process.
     metadata
         ``metadata(record) -> dict`` of primitive attributes (int, float, bool, str, None)
         stored in the metadata table. Every record must give the same keys, each with one
@@ -169,6 +178,9 @@ def cache(
         ``None``: records are stored as serialized and read in place. Records of a
         compressed cache are decompressed by the native reading threads, and their arrays
         are decoded into memory of their own rather than viewed in the mapped shard.
+    storage_options
+        For a URL ``root``: credentials and settings, with the keys Polars' cloud readers
+        take (see :func:`~dataset_rt.open`).
 
     Returns
     -------
@@ -202,6 +214,25 @@ def cache(
         alignment = DEFAULT_ALIGNMENT
     if alignment < 1 or alignment & (alignment - 1) or alignment > 4096:
         raise ArgumentError(f"alignment must be a power of two up to 4096, got {alignment}")
+    url = root_url(root)
+    if url is not None:
+
+        def build_in(staging: Path) -> None:
+            cache(
+                source,
+                name,
+                root=staging,
+                metadata=metadata,
+                serializer=serializer,
+                decode=decode,
+                progress=progress,
+                shard_size=shard_size,
+                alignment=alignment,
+                num_proc=num_proc,
+                compression=compression,
+            )
+
+        return _cache_remote(url, name, storage_options, overwrite, decode, progress, build_in)
     root_path = resolve_root(root)
     store = _native.Store(str(root_path))
 
@@ -228,6 +259,56 @@ def cache(
     finally:
         lock.release()
     return Cache(registry.open_reader(root_path, name), root_path, decode)
+
+
+def _cache_remote(
+    url: str,
+    name: str,
+    storage_options: Mapping[str, Any] | None,
+    overwrite: bool,
+    decode: Decoder | None,
+    progress: bool,
+    build_in: Callable[[Path], None],
+) -> Cache:
+    """``cache`` for a URL root: opens the remote cache, or builds it locally and pushes it."""
+    from dataset_rt import remote
+
+    def existing() -> Cache | None:
+        try:
+            return open_cache(name, root=url, storage_options=storage_options, decode=decode)
+        except CacheNotFoundError:
+            return None
+
+    found = None if overwrite else existing()
+    if found is not None:
+        return found
+    local = roots.local_dir()
+    local.mkdir(parents=True, exist_ok=True)
+    store = _native.Store(str(local))
+    # One build per machine: the others wait, then open what it pushed.
+    with store.lock(f"{name}.remote") as lock:
+        if lock.waited and not overwrite and (found := existing()) is not None:
+            return found
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.remote-", dir=local))
+        try:
+            build_in(staging)
+            remote.push(
+                name,
+                url,
+                root=staging,
+                storage_options=storage_options,
+                overwrite=overwrite,
+                progress=progress,
+            )
+            # The build becomes the local copy, shards and all: nothing is downloaded again.
+            cache_id = _native.Store(str(staging)).manifest(name).cache_id
+            copy = local / cache_id / name
+            if not copy.exists():
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staging / name, copy)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return open_cache(name, root=url, storage_options=storage_options, decode=decode)
 
 
 def append(

@@ -8,17 +8,19 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from dataset_rt import _native, registry
+from dataset_rt import _native, fetch, objects, registry, roots
 from dataset_rt.errors import (
+    ArgumentError,
     CacheCorruptError,
     CacheIOError,
+    CacheNotFoundError,
     DatasetRTError,
     MetadataError,
     SampleIndexError,
@@ -27,13 +29,14 @@ from dataset_rt.errors import (
 )
 from dataset_rt.metadata import checked_edit, checked_scan
 from dataset_rt.progress import format_bytes
-from dataset_rt.roots import PathLike, resolve_root
+from dataset_rt.roots import PathLike, resolve_root, root_url
 from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for
 from dataset_rt.verify import VerifyReport, verify
 
 __all__ = [
     "Cache",
     "list_caches",
+    "manifest_rows",
     "open",
     "open_by_id",
     "restore_saved_plan",
@@ -78,8 +81,14 @@ class Cache:
 
     @property
     def path(self) -> Path:
-        """The cache's directory."""
+        """The cache's directory (for a remote cache, that of its local copy)."""
         return Path(self._reader.path)
+
+    @property
+    def url(self) -> str | None:
+        """The object-storage URL the cache was opened from; None for a cache on disk."""
+        copy = fetch.copy_for(self.path)
+        return None if copy is None else copy.remote.url
 
     @property
     def cache_id(self) -> str:
@@ -432,6 +441,11 @@ class Cache:
         StaleCacheError
             The cache was rebuilt since this object was opened.
         """
+        if self.url is not None:
+            raise ArgumentError(
+                f"cache {self.name!r} was opened from {self.url}, where its metadata lives: "
+                "pull it (dataset_rt.remote.pull), save the metadata there and push it back"
+            )
         if isinstance(frame, pl.LazyFrame):
             frame = frame.collect()
         if not isinstance(frame, pl.DataFrame):
@@ -463,8 +477,12 @@ class Cache:
     def verify(self, *, progress: bool = True) -> VerifyReport:
         """Reads every byte of the cache and reports what is damaged.
 
-        See :func:`dataset_rt.verify`; damage is listed in the report, not raised.
+        See :func:`dataset_rt.verify`; damage is listed in the report, not raised. A remote
+        cache's shards are fetched first (each checked as it arrives), then its copy is read.
         """
+        copy = fetch.copy_for(self.path)
+        if copy is not None:
+            copy.fetch_all(progress=progress)
         return verify(self.name, root=self._root, progress=progress)
 
     # -- display ----------------------------------------------------------------------------
@@ -586,19 +604,34 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: drt.open(name)
     *,
     root: PathLike | None = None,
     decode: Decoder | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    local_dir: PathLike | None = None,
+    local_limit: int | None = None,
 ) -> Cache:
-    """Opens an existing cache by name.
+    """Opens an existing cache by name, on disk or in object storage.
 
     Parameters
     ----------
     name
         The name the cache was built under.
     root
-        The directory holding the caches; default ``$DATASET_RT_HOME`` or
+        The directory holding the caches, or an object-storage URL (``s3://bucket/prefix``,
+        ``gs://``, ``az://``, ``file://``); default ``$DATASET_RT_HOME`` (either kind) or
         ``~/.cache/dataset_rt``.
     decode
         Decoder for :meth:`Cache.get`; needed only for caches written with a custom
         serializer.
+    storage_options
+        For a URL: credentials and settings with the keys Polars' cloud readers take
+        (``aws_endpoint_url``, ``aws_access_key_id``, ``aws_region``, ``aws_allow_http``,
+        ...); without them, the standard environment variables and profiles apply.
+    local_dir
+        For a URL: where the remote cache's files are kept on this machine; default
+        ``$DATASET_RT_LOCAL_DIR``, else ``.remote`` under the local root. Opening fetches
+        its metadata only; each payload shard is fetched when first read.
+    local_limit
+        For a URL: at most this many bytes of shards are kept under ``local_dir`` (every
+        cache's together); the least recently used are deleted first. Default: no limit.
 
     Raises
     ------
@@ -607,7 +640,20 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: drt.open(name)
     CacheCorruptError
         The cache's files are damaged; :class:`~dataset_rt.errors.CacheVersionError` if a
         newer dataset_rt wrote it.
+    CacheIOError
+        Object storage failed: the message names the object (and a missing bucket, or
+        refused credentials).
     """
+    url = root_url(root)
+    if url is not None:
+        if local_limit is not None and (
+            isinstance(local_limit, bool) or not isinstance(local_limit, int) or local_limit < 0
+        ):
+            raise ArgumentError(f"local_limit must be a number of bytes >= 0, got {local_limit!r}")
+        local = roots.local_dir(local_dir)
+        source = fetch.sync(url, name, storage_options, local, local_limit)
+        source.attach()  # before the reader opens: it fetches its shards through it
+        return Cache(registry.open_reader(source.root, name), source.root, decode)
     root_path = resolve_root(root)
     return Cache(registry.open_reader(root_path, name), root_path, decode)
 
@@ -625,8 +671,12 @@ def open_by_id(cache_id: str, root: PathLike | None = None) -> Cache:
     return Cache(reader, root_path)
 
 
-def list_caches(root: PathLike | None = None) -> pl.DataFrame:
+def list_caches(
+    root: PathLike | None = None, *, storage_options: Mapping[str, Any] | None = None
+) -> pl.DataFrame:
     """The caches under a root, one row each: name, cache_id, samples, bytes, created.
+
+    ``root`` may be an object-storage URL, read with ``storage_options`` (see :func:`open`).
 
     Examples
     --------
@@ -634,24 +684,39 @@ def list_caches(root: PathLike | None = None) -> pl.DataFrame:
     >>> drt.list_caches().columns
     ['name', 'cache_id', 'samples', 'bytes', 'shards', 'serializer', 'created']
     """
+    url = root_url(root)
+    if url is not None:
+        remote = []
+        for name in objects.list_names(url, storage_options):
+            try:
+                remote.append(objects.read_manifest(objects.RemoteDir(url, name, storage_options)))
+            except (CacheNotFoundError, CacheCorruptError):
+                continue  # removed or replaced while listing
+        return manifest_rows(remote)
     store = _native.Store(str(resolve_root(root)))
-    rows: list[dict[str, Any]] = []
+    manifests = []
     for name in store.names():
         try:
-            m = store.manifest(name)
+            manifests.append(store.manifest(name))
         except CacheCorruptError:
             continue
-        rows.append(
-            {
-                "name": name,
-                "cache_id": m.cache_id,
-                "samples": m.num_samples,
-                "bytes": m.nbytes,
-                "shards": m.num_shards,
-                "serializer": m.serializer,
-                "created": _utc(m.created_at),
-            }
-        )
+    return manifest_rows(manifests)
+
+
+def manifest_rows(manifests: Iterable[_native.Manifest]) -> pl.DataFrame:
+    """The rows :func:`list_caches` shows for these manifests."""
+    rows = [
+        {
+            "name": m.name,
+            "cache_id": m.cache_id,
+            "samples": m.num_samples,
+            "bytes": m.nbytes,
+            "shards": m.num_shards,
+            "serializer": m.serializer,
+            "created": _utc(m.created_at),
+        }
+        for m in manifests
+    ]
     schema: dict[str, pl.DataType] = {
         "name": pl.String(),
         "cache_id": pl.String(),

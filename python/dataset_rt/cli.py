@@ -16,13 +16,14 @@ import polars as pl
 from dataset_rt.caches import describe_compression, list_caches, open
 from dataset_rt.errors import ArgumentError, DatasetRTError
 from dataset_rt.progress import format_bytes
+from dataset_rt.roots import root_url
 from dataset_rt.serialize import describe_serializer
 
 __all__ = ["main"]
 
 
 def _ls(args: argparse.Namespace) -> None:
-    table = list_caches(args.root)
+    table = list_caches(args.root, storage_options=dict(args.storage_option))
     if table.is_empty():
         print("no caches")
         return
@@ -50,8 +51,10 @@ def _ls(args: argparse.Namespace) -> None:
 
 
 def _info(args: argparse.Namespace) -> None:
-    c = open(args.name, root=args.root)
+    c = open(args.name, root=args.root, storage_options=dict(args.storage_option))
     print(f"name        {c.name}")
+    if c.url is not None:
+        print(f"url         {c.url}")
     print(f"path        {c.path}")
     print(f"cache_id    {c.cache_id}")
     print(f"samples     {len(c):,}")
@@ -81,7 +84,11 @@ EXIT_DAMAGED = 3
 def _verify(args: argparse.Namespace) -> int:
     from dataset_rt.verify import verify
 
-    report = verify(args.name, root=args.root, progress=not args.quiet)
+    if root_url(args.root) is not None:  # fetches every shard into the local copy, then reads it
+        cache = open(args.name, root=args.root, storage_options=dict(args.storage_option))
+        report = cache.verify(progress=not args.quiet)
+    else:
+        report = verify(args.name, root=args.root, progress=not args.quiet)
     print(report)
     return 0 if report.ok else EXIT_DAMAGED
 
@@ -165,21 +172,36 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataset-rt",
         description="Inspect and manage dataset_rt caches.",
-        epilog="The root defaults to $DATASET_RT_HOME, else ~/.cache/dataset_rt. Exit codes: "
+        epilog="The root defaults to $DATASET_RT_HOME (a directory or a URL), else "
+        "~/.cache/dataset_rt. Exit codes: "
         "0 success, 1 error, 2 bad usage, 3 verify found damage.",
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", help="directory holding the caches")
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument(
+        "--root",
+        help="directory holding the caches, or an object-storage URL (s3://bucket/prefix, ...)",
+    )
+    remote.add_argument(
+        "-o",
+        "--storage-option",
+        type=_storage_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the object store, with the keys Polars takes (repeatable)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("ls", parents=[common], help="list the caches under the root")
+    p = sub.add_parser("ls", parents=[remote], help="list the caches under the root")
     p.set_defaults(func=_ls, parser=p)
-    p = sub.add_parser("info", parents=[common], help="describe one cache")
+    p = sub.add_parser("info", parents=[remote], help="describe one cache")
     p.add_argument("name", help="the cache's name")
     p.set_defaults(func=_info, parser=p)
     p = sub.add_parser(
         "verify",
-        parents=[common],
+        parents=[remote],
         help="read every byte of a cache and report damage (exit code 3 if any)",
     )
     p.add_argument("name", help="the cache's name")
@@ -201,8 +223,8 @@ def _parser() -> argparse.ArgumentParser:
         "need PyTorch)",
     )
     p.set_defaults(func=_bench, parser=p)
-    remote = argparse.ArgumentParser(add_help=False)
-    remote.add_argument(
+    transfer = argparse.ArgumentParser(add_help=False)
+    transfer.add_argument(
         "-o",
         "--storage-option",
         type=_storage_option,
@@ -211,10 +233,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="an option of the object store, with the keys Polars takes (repeatable)",
     )
-    remote.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    transfer.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p = sub.add_parser(
         "push",
-        parents=[common, remote],
+        parents=[common, transfer],
         help="upload a cache to object storage (URL/NAME/), its manifest last",
     )
     p.add_argument("name", help="the cache's name")
@@ -222,7 +244,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_push, parser=p)
     p = sub.add_parser(
         "pull",
-        parents=[common, remote],
+        parents=[common, transfer],
         help="download a cache from object storage, checked before it is published",
     )
     p.add_argument("url", help="the remote root, e.g. s3://bucket/prefix")

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import polars as pl
 
-from dataset_rt import _native
+from dataset_rt import _native, fetch
 from dataset_rt.caches import Cache, open_by_id, restore_saved_plan, saved_plan
 from dataset_rt.errors import (
     ArgumentError,
@@ -244,6 +244,7 @@ class Loader:
             depth=prefetch,
             verify=bool(verify),
             views=views,
+            remotes=tuple(self._remote(c) for c in caches),
         )
         self._packed = b""
         if self._num_workers > 0:
@@ -347,6 +348,32 @@ class Loader:
         if self._shuffle:
             columns["weight"] = check_weights(data["weight"], ids)
         return caches, pl.DataFrame(columns)
+
+    @staticmethod
+    def _remote(cache: Cache) -> fetch.RemoteSource | None:
+        copy = fetch.copy_for(cache.path)
+        return None if copy is None else copy.source
+
+    def _shard_prefetch(self, schedule: _native.Schedule) -> fetch.ShardPrefetch | None:
+        """Fetches the remote shards this epoch reads ahead of its batches; None if none is."""
+        spec = self._spec
+        if not any(spec.remotes):
+            return None
+        copies = [None if r is None else r.attach() for r in spec.remotes]
+        order = _native.epoch_shards(
+            spec.plan,
+            list(spec.cache_dirs),
+            list(spec.cache_ids),
+            schedule,
+            seed=spec.seed,
+            epoch=self._epoch,
+            first=0,
+            step=1,
+        )
+        fetched = [(copies[code], file, batch) for code, file, batch in order if copies[code]]
+        limits = [r.local_limit for r in spec.remotes if r is not None and r.local_limit]
+        budget = min(limits) // 2 if limits else None
+        return fetch.ShardPrefetch(fetched, budget).start()  # type: ignore[arg-type]
 
     @staticmethod
     def _decoder(cache: Cache, decode: Decoder | None, copy: bool) -> Decoder:
@@ -503,15 +530,21 @@ class Loader:
 
     def _counted(self, schedule: _native.Schedule, batches: Iterator[Any]) -> Iterator[Any]:
         consumed = 0
+        shards = None
         try:
+            shards = self._shard_prefetch(schedule)
             for batch in batches:
                 consumed += 1
                 self._cursor = schedule.cursor_after(consumed)
+                if shards is not None:
+                    shards.advance(consumed)
                 yield batch
             # Every rank's share is read: the epoch has ended, even where what was left of
             # it filled no batch (drop_last, or a resume at another batch size).
             self._cursor = self._total
         finally:
+            if shards is not None:
+                shards.stop()
             close = getattr(batches, "close", None)
             if close is not None:
                 close()

@@ -40,11 +40,17 @@ class LoaderSpec:
     """Every cache uses its default pickle decoder (``decoders`` are :func:`loads`): batches
     decode in one native loop, arrays as views of the mapped shard (large records) or of the
     batch buffer."""
+    remotes: tuple[Any, ...] = ()
+    """Per cache, the :class:`~dataset_rt.fetch.RemoteSource` of a remote cache's local copy
+    (None for a cache on disk): each process that reads it fetches its shards on first use."""
 
     def batches(
         self, schedule: _native.Schedule, epoch: int, first: int, step: int
     ) -> _native.Prefetcher:
         """Batches ``first, first + step, ...`` of ``schedule``, read ahead on a native thread."""
+        for remote in self.remotes:
+            if remote is not None:
+                remote.attach()  # before the readers open: they fetch their shards through it
         return _native.Prefetcher(
             self.plan,
             list(self.cache_dirs),

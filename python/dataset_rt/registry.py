@@ -3,8 +3,9 @@
 A metadata frame knows each row's ``(cache_id, sample_id)`` but not where the cache lives.
 Every cache opened or built in this process is opened through :func:`open_reader`, which
 remembers it by id; other ids are looked up among the caches under the given root, the
-roots seen so far and the default root. This table is the package's one piece of
-process-wide state (the engine's are its shard mappings and its SIGBUS guard).
+roots seen so far and the default root. This table is one of the package's two pieces of
+process-wide state, with :mod:`dataset_rt.fetch`'s local copies (the engine's are its shard
+mappings, its SIGBUS guard and its fetchers).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from dataset_rt import _native
 from dataset_rt.errors import CacheCorruptError, CacheNotFoundError
-from dataset_rt.roots import PathLike, default_root, resolve_root
+from dataset_rt.roots import PathLike, default_root, resolve_root, root_url
 
 __all__ = ["locate", "open_reader", "remember_version", "saved_version"]
 
@@ -79,7 +80,10 @@ def locate(cache_id: str, root: PathLike | None = None) -> tuple[_native.CacheRe
             continue
         if reader.manifest.cache_id == cache_id:
             return reader, root_path
-    search_roots = [resolve_root(root)] if root is not None else [*roots, default_root()]
+    if root is not None:
+        search_roots = [resolve_root(root)]
+    else:  # a remote default root's caches were opened (and remembered) through their copies
+        search_roots = roots if root_url(None) else [*roots, default_root()]
     found = _search(cache_id, dict.fromkeys(search_roots))
     if found is None:
         where = ", ".join(str(r) for r in dict.fromkeys(search_roots))

@@ -103,6 +103,14 @@ pub enum Error {
          message, at https://github.com/dataset-rt/dataset-rt/issues"
     )]
     Internal(String),
+    /// A shard's [`crate::fetch::Fetcher`] failed to make it present.
+    #[error("{}: {source}", path.display())]
+    Fetch {
+        /// The shard that was to be fetched.
+        path: PathBuf,
+        /// The fetcher's own error, handed back to its caller unchanged.
+        source: crate::fetch::FetchError,
+    },
 }
 
 /// Quotes a user-given string the way Python's `repr` does: `'name'`, with escapes.

@@ -14,6 +14,7 @@ pub mod build;
 pub mod compress;
 pub mod error;
 pub mod faults;
+pub mod fetch;
 pub mod format;
 pub mod index;
 pub mod mapping;

@@ -1,9 +1,10 @@
 //! This process's mappings of shard files, shared by every reader of a file.
 //!
-//! One of the engine's two pieces of process-wide state (the other is [`crate::sigbus`]'s
-//! table of guarded ranges): a table of live mappings by file identity, so that every
-//! reader of a shard, in every loader and epoch of this process, shares one mapping and its
-//! resident pages. Entries are weak: a mapping goes when its last reader or [`Span`] does.
+//! One of the engine's three pieces of process-wide state (with [`crate::sigbus`]'s table
+//! of guarded ranges and [`crate::fetch`]'s fetchers): a table of live mappings by file
+//! identity, so that every reader of a shard, in every loader and epoch of this process,
+//! shares one mapping and its resident pages. Entries are weak: a mapping goes when its last
+//! reader or [`Span`] does.
 //! A forked child inherits the table with the mappings, which stay valid there.
 
 use std::collections::HashMap;

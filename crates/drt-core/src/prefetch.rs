@@ -333,6 +333,31 @@ impl Source {
         })
     }
 
+    /// The shards that batches `numbers` read, in the order they are first needed, each
+    /// once: `(cache, file, batch)`, with `file` relative to cache `cache`'s directory and
+    /// `batch` the first batch reading it. Reads the plan and the indexes only, so it serves
+    /// to fetch a remote cache's shards ahead of the batches that read them.
+    pub fn shards_in_order(
+        &self,
+        numbers: impl Iterator<Item = u64>,
+    ) -> Result<Vec<(u32, String, u64)>> {
+        let mut seen = std::collections::HashSet::new();
+        let mut order = Vec::new();
+        for number in numbers {
+            for position in self.schedule.batch_positions(number) {
+                let (cache, sample_id) = self.plan.sample(self.plan.row_at(self.random, position));
+                let reader = self.caches.get(cache as usize).ok_or_else(|| {
+                    Error::Internal(format!("cache code {cache} has no open cache"))
+                })?;
+                let file = reader.shard_file(sample_id)?;
+                if seen.insert((cache, file)) {
+                    order.push((cache, file.to_string(), number));
+                }
+            }
+        }
+        Ok(order)
+    }
+
     /// Reads batch `number` of the schedule. A mapped file that shrank meanwhile (SIGBUS)
     /// is an error, and the caches stop serving reads.
     pub fn read(&self, number: u64) -> Result<Batch> {

@@ -2,20 +2,27 @@
 //!
 //! Opening checks every file's size against the manifest and parses the index's footer, but
 //! reads no payload byte; each read checks the record's bounds against its mapped shard.
+//! A cache whose shards are fetched on first use (see [`crate::fetch`]) checks and maps each
+//! shard when it is first read instead.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::compress::Codec;
 use crate::error::{Error, IoContext, Result};
-use crate::format::{checksum_hex, FileEntry, Manifest, SHARD_HEADER_LEN, SHARD_MAGIC};
+use crate::fetch::Fetcher;
+use crate::format::{checksum_hex, Manifest, SHARD_HEADER_LEN, SHARD_MAGIC};
 use crate::index::{Index, Location};
 use crate::mapping::{MappedFile, Span};
 
 struct Shard {
+    /// Relative to the cache directory, as the manifest names it.
+    file: String,
     path: PathBuf,
-    map: Arc<MappedFile>,
+    size: u64,
+    /// Set at open, or for a fetched cache when the shard is first read.
+    map: OnceLock<Arc<MappedFile>>,
 }
 
 /// The build's records, or a part's: an index of its own over shards of its own.
@@ -38,6 +45,8 @@ pub struct CacheReader {
     /// Set once a mapped file of this cache was found to have shrunk: some of its pages may
     /// now read as zeros, so no further record is served.
     poisoned: AtomicBool,
+    /// Makes shards present on first read; `None` for a local cache, mapped whole at open.
+    fetcher: Option<Arc<dyn Fetcher>>,
 }
 
 impl std::fmt::Debug for CacheReader {
@@ -50,9 +59,9 @@ impl std::fmt::Debug for CacheReader {
     }
 }
 
-/// Checks that the file behind `entry` exists with the size the manifest records.
-fn check_size(dir: &Path, entry: &FileEntry) -> Result<PathBuf> {
-    let path = dir.join(&entry.file);
+/// Checks that `file` exists in `dir` with the `size` the manifest records.
+fn check_size(dir: &Path, file: &str, size: u64) -> Result<PathBuf> {
+    let path = dir.join(file);
     // Not followed: a cache's files are regular files inside it, and a link could point
     // anywhere (outside the root included).
     let meta = std::fs::symlink_metadata(&path).map_err(|e| {
@@ -71,35 +80,50 @@ fn check_size(dir: &Path, entry: &FileEntry) -> Result<PathBuf> {
         "is a symbolic link or not a regular file; cache files must be regular files"
     );
     crate::ensure_intact!(
-        meta.len() == entry.size,
+        meta.len() == size,
         &path,
         "file is {} bytes but the manifest records {} (truncated or overwritten?)",
         meta.len(),
-        entry.size
+        size
     );
     Ok(path)
 }
 
-/// Maps a segment's index and shards, checking each against the manifest's sizes.
-fn open_segment(dir: &Path, segment: &crate::format::Segment<'_>) -> Result<Segment> {
-    let index_path = check_size(dir, segment.index)?;
+/// Checks shard `file` against the `size` the manifest records and maps it.
+fn map_shard(dir: &Path, file: &str, size: u64) -> Result<Arc<MappedFile>> {
+    let path = check_size(dir, file, size)?;
+    crate::ensure_intact!(
+        size >= SHARD_HEADER_LEN,
+        &path,
+        "shard is shorter than its header"
+    );
+    let file = std::fs::File::open(&path).at(&path)?;
+    let map = MappedFile::open(&file, &path)?;
+    crate::ensure_intact!(
+        map.len() as u64 == size && map[..8] == SHARD_MAGIC[..],
+        &path,
+        "not a dataset_rt shard (bad header)"
+    );
+    Ok(map)
+}
+
+/// Maps a segment's index, and unless its shards are fetched on first read (`lazy`), its
+/// shards, checking each against the manifest's sizes.
+fn open_segment(dir: &Path, segment: &crate::format::Segment<'_>, lazy: bool) -> Result<Segment> {
+    let index_path = check_size(dir, &segment.index.file, segment.index.size)?;
     let index = Index::open(&index_path, segment.num_samples)?;
     let mut shards = Vec::with_capacity(segment.shards.len());
     for entry in segment.shards {
-        let path = check_size(dir, entry)?;
-        crate::ensure_intact!(
-            entry.size >= SHARD_HEADER_LEN,
-            &path,
-            "shard is shorter than its header"
-        );
-        let file = std::fs::File::open(&path).at(&path)?;
-        let map = MappedFile::open(&file, &path)?;
-        crate::ensure_intact!(
-            map.len() as u64 == entry.size && map[..8] == SHARD_MAGIC[..],
-            &path,
-            "not a dataset_rt shard (bad header)"
-        );
-        shards.push(Shard { path, map });
+        let map = OnceLock::new();
+        if !lazy {
+            let _ = map.set(map_shard(dir, &entry.file, entry.size)?);
+        }
+        shards.push(Shard {
+            file: entry.file.clone(),
+            path: dir.join(&entry.file),
+            size: entry.size,
+            map,
+        });
     }
     Ok(Segment {
         first: segment.first,
@@ -111,13 +135,16 @@ fn open_segment(dir: &Path, segment: &crate::format::Segment<'_>) -> Result<Segm
 
 impl CacheReader {
     /// Opens the cache in directory `dir`.
+    /// Shards are checked and mapped here, unless a [`Fetcher`] is registered for `dir`:
+    /// then each is fetched, checked and mapped when first read.
     pub fn open(dir: &Path) -> Result<Self> {
         let manifest = Manifest::read(dir)?;
         let codec = manifest.codec()?;
+        let fetcher = crate::fetch::fetcher_for(dir);
         let segments = manifest
             .segments()
             .into_iter()
-            .map(|segment| open_segment(dir, &segment))
+            .map(|segment| open_segment(dir, &segment, fetcher.is_some()))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -125,7 +152,35 @@ impl CacheReader {
             codec,
             segments,
             poisoned: AtomicBool::new(false),
+            fetcher,
         })
+    }
+
+    /// Whether shards are fetched on first read rather than mapped at open.
+    pub fn fetches(&self) -> bool {
+        self.fetcher.is_some()
+    }
+
+    /// `shard`'s mapping: mapped at open, or fetched and mapped on this first read.
+    fn mapping<'a>(&self, shard: &'a Shard) -> Result<&'a Arc<MappedFile>> {
+        if let Some(map) = shard.map.get() {
+            return Ok(map);
+        }
+        if let Some(fetcher) = &self.fetcher {
+            fetcher.fetch(&shard.file).map_err(|source| Error::Fetch {
+                path: shard.path.clone(),
+                source,
+            })?;
+        }
+        let map = map_shard(&self.dir, &shard.file, shard.size)?;
+        // Two threads may map it at once: both get the process's one mapping of the file.
+        Ok(shard.map.get_or_init(|| map))
+    }
+
+    /// The shard file (relative to the cache directory) holding record `sample_id`.
+    pub fn shard_file(&self, sample_id: u64) -> Result<&str> {
+        let (_, shard) = self.shard_of(sample_id)?;
+        Ok(&shard.file)
     }
 
     /// Refuses reads once a mapped file of the cache shrank.
@@ -210,7 +265,8 @@ impl CacheReader {
         (segment.index.location(sample_id - segment.first), segment)
     }
 
-    fn checked_location(&self, sample_id: u64) -> Result<(Location, &Shard)> {
+    /// Record `sample_id`'s index entry and shard, not yet mapped.
+    fn shard_of(&self, sample_id: u64) -> Result<(Location, &Shard)> {
         self.check_usable()?;
         if sample_id >= self.len() {
             return Err(Error::SampleOutOfRange {
@@ -230,21 +286,27 @@ impl CacheReader {
                 ),
             )
         })?;
+        Ok((loc, shard))
+    }
+
+    fn checked_location(&self, sample_id: u64) -> Result<(Location, &Shard, &Arc<MappedFile>)> {
+        let (loc, shard) = self.shard_of(sample_id)?;
+        let map = self.mapping(shard)?;
         let end = loc.offset.checked_add(loc.length);
         crate::ensure_intact!(
-            loc.offset >= SHARD_HEADER_LEN && end.is_some_and(|e| e <= shard.map.len() as u64),
+            loc.offset >= SHARD_HEADER_LEN && end.is_some_and(|e| e <= map.len() as u64),
             &shard.path,
             "sample_id {sample_id} spans bytes {}..{} beyond the shard's {} bytes",
             loc.offset,
             loc.offset.saturating_add(loc.length),
-            shard.map.len()
+            map.len()
         );
-        if shard.map.shrank() {
+        if map.shrank() {
             // A view of this shard read past its new end: some of its pages are zeros now.
             self.poison();
             return Err(self.shrank());
         }
-        Ok((loc, shard))
+        Ok((loc, shard, map))
     }
 
     /// How the cache's records are compressed.
@@ -257,14 +319,14 @@ impl CacheReader {
     /// in a guarded section; reading its bytes outside one is safe only if it is
     /// [`Span::viewable`].
     pub fn span(&self, sample_id: u64, verify: bool) -> Result<Span> {
-        let (loc, shard) = self.checked_location(sample_id)?;
+        let (loc, shard, map) = self.checked_location(sample_id)?;
         let end = (loc.offset + loc.length) as usize;
-        let stored = &shard.map[loc.offset as usize..end];
+        let stored = &map[loc.offset as usize..end];
         if verify {
             check_digest(sample_id, &loc, shard, stored)?;
         }
         if self.codec.is_none() {
-            return Ok(Span::new(shard.map.clone(), loc.offset as usize, end));
+            return Ok(Span::new(map.clone(), loc.offset as usize, end));
         }
         let decoded = self
             .codec
@@ -287,15 +349,15 @@ impl CacheReader {
     /// The bytes of record `sample_id` as stored (compressed, for a compressed cache), viewed
     /// in the mapped shard.
     pub fn record(&self, sample_id: u64) -> Result<&[u8]> {
-        let (loc, shard) = self.checked_location(sample_id)?;
-        Ok(&shard.map[loc.offset as usize..(loc.offset + loc.length) as usize])
+        let (loc, _, map) = self.checked_location(sample_id)?;
+        Ok(&map[loc.offset as usize..(loc.offset + loc.length) as usize])
     }
 
     /// The bytes of record `sample_id` as stored, after checking them against the index's
     /// checksum.
     pub fn record_verified(&self, sample_id: u64) -> Result<&[u8]> {
-        let (loc, shard) = self.checked_location(sample_id)?;
-        let bytes = &shard.map[loc.offset as usize..(loc.offset + loc.length) as usize];
+        let (loc, shard, map) = self.checked_location(sample_id)?;
+        let bytes = &map[loc.offset as usize..(loc.offset + loc.length) as usize];
         check_digest(sample_id, &loc, shard, bytes)?;
         Ok(bytes)
     }
@@ -355,8 +417,8 @@ pub(crate) mod tests {
         let first = CacheReader::open(dir.path()).unwrap();
         let second = CacheReader::open(dir.path()).unwrap();
         assert!(Arc::ptr_eq(
-            &first.segments[0].shards[0].map,
-            &second.segments[0].shards[0].map
+            first.segments[0].shards[0].map.get().unwrap(),
+            second.segments[0].shards[0].map.get().unwrap()
         ));
         // A rebuilt cache has new files (new inodes), so it gets mappings of its own.
         let rebuilt = tempfile::tempdir().unwrap();
@@ -376,8 +438,8 @@ pub(crate) mod tests {
         .unwrap();
         let third = CacheReader::open(dir.path()).unwrap();
         assert!(!Arc::ptr_eq(
-            &first.segments[0].shards[0].map,
-            &third.segments[0].shards[0].map
+            first.segments[0].shards[0].map.get().unwrap(),
+            third.segments[0].shards[0].map.get().unwrap()
         ));
         assert_eq!(third.len(), 60);
         assert_eq!(first.len(), 50);
@@ -666,6 +728,89 @@ pub(crate) mod tests {
         let text = std::fs::read_to_string(dir.path().join("manifest.json")).unwrap();
         assert!(text.contains("\"format_version\": 3"), "{text}");
         assert!(!text.contains("compression_level"), "{text}");
+    }
+
+    /// Copies shards from `from` into the cache directory on request, counting requests.
+    struct CopyFetcher {
+        from: PathBuf,
+        to: PathBuf,
+        calls: std::sync::Mutex<Vec<String>>,
+        fail: bool,
+    }
+
+    impl Fetcher for CopyFetcher {
+        fn fetch(&self, file: &str) -> std::result::Result<(), crate::fetch::FetchError> {
+            self.calls.lock().unwrap().push(file.to_string());
+            if self.fail {
+                return Err("the network is down".into());
+            }
+            if !self.to.join(file).exists() {
+                std::fs::copy(self.from.join(file), self.to.join(file))?;
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_cache_with_a_fetcher_maps_each_shard_on_first_read_and_asks_for_it_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let remote = tempfile::tempdir().unwrap();
+        let recs = records(200);
+        let opts = WriteOptions {
+            shard_size: 4096,
+            alignment: 64,
+            ..WriteOptions::default()
+        };
+        let manifest = build(dir.path(), &recs, opts);
+        std::fs::rename(dir.path().join("shards"), remote.path().join("shards")).unwrap();
+        std::fs::create_dir(dir.path().join("shards")).unwrap();
+        assert!(
+            CacheReader::open(dir.path()).is_err(),
+            "no fetcher: shards checked at open"
+        );
+
+        let fetcher = Arc::new(CopyFetcher {
+            from: remote.path().to_path_buf(),
+            to: dir.path().to_path_buf(),
+            calls: std::sync::Mutex::default(),
+            fail: false,
+        });
+        crate::fetch::register(dir.path(), fetcher.clone());
+        let reader = CacheReader::open(dir.path()).unwrap();
+        assert!(reader.fetches());
+        assert!(
+            fetcher.calls.lock().unwrap().is_empty(),
+            "opening fetched nothing"
+        );
+        assert_eq!(reader.record(0).unwrap(), &recs[0][..]);
+        assert_eq!(*fetcher.calls.lock().unwrap(), vec!["shards/00000.bin"]);
+        for (i, r) in recs.iter().enumerate() {
+            assert_eq!(&reader.copy_record(i as u64, true).unwrap(), r);
+        }
+        let mut calls = fetcher.calls.lock().unwrap().clone();
+        assert_eq!(calls.len(), manifest.shards.len(), "each shard once");
+        calls.dedup();
+        assert_eq!(calls.len(), manifest.shards.len());
+        assert!(crate::fetch::unregister(dir.path()));
+
+        // A fetcher's failure reaches the reader's caller, naming the shard.
+        std::fs::remove_file(dir.path().join("shards/00001.bin")).unwrap();
+        let failing = Arc::new(CopyFetcher {
+            from: remote.path().to_path_buf(),
+            to: dir.path().to_path_buf(),
+            calls: std::sync::Mutex::default(),
+            fail: true,
+        });
+        crate::fetch::register(dir.path(), failing);
+        let reader = CacheReader::open(dir.path()).unwrap();
+        let id = (0..200u64)
+            .find(|&i| reader.shard_file(i).unwrap() == "shards/00001.bin")
+            .unwrap();
+        let err = reader.record(id).unwrap_err();
+        assert!(matches!(err, Error::Fetch { .. }), "{err:?}");
+        assert!(err.to_string().contains("00001.bin"), "{err}");
+        assert!(err.to_string().contains("the network is down"), "{err}");
+        crate::fetch::unregister(dir.path());
     }
 
     #[test]

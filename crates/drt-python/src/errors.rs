@@ -7,6 +7,12 @@ use pyo3::prelude::*;
 
 /// Maps an engine error to the matching class of `dataset_rt.errors`.
 pub fn to_py(py: Python<'_>, err: Error) -> PyErr {
+    if let Error::Fetch { source, .. } = &err {
+        // A Python fetcher's own exception, raised again as it was.
+        if let Some(raised) = source.downcast_ref::<PyErr>() {
+            return raised.clone_ref(py);
+        }
+    }
     let class = match &err {
         Error::Io { .. } => "CacheIOError",
         Error::CacheNotFound { .. } => "CacheNotFoundError",
@@ -19,6 +25,7 @@ pub fn to_py(py: Python<'_>, err: Error) -> PyErr {
         Error::Interrupted => "DatasetRTError",
         Error::System { .. } => "CacheIOError",
         Error::Internal(_) => "InternalError",
+        Error::Fetch { .. } => "CacheIOError",
     };
     let message = err.to_string();
     let build = || -> PyResult<PyErr> {

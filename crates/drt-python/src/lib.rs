@@ -8,6 +8,7 @@
 mod arrow;
 mod builder;
 mod errors;
+mod fetch;
 mod loader;
 mod lock;
 mod manifest;
@@ -53,5 +54,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loader::write_plan, m)?)?;
     m.add_function(wrap_pyfunction!(builder::relocate_part, m)?)?;
     m.add_function(wrap_pyfunction!(manifest::read_manifest, m)?)?;
+    m.add_function(wrap_pyfunction!(fetch::register_fetcher, m)?)?;
+    m.add_function(wrap_pyfunction!(fetch::unregister_fetcher, m)?)?;
+    m.add_function(wrap_pyfunction!(fetch::epoch_shards, m)?)?;
     Ok(())
 }

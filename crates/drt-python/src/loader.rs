@@ -62,7 +62,7 @@ pub fn plan_rows(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u32, bool)> {
 
 #[pyclass(name = "Schedule", module = "dataset_rt._native", frozen)]
 pub struct PySchedule {
-    inner: Schedule,
+    pub(crate) inner: Schedule,
 }
 
 #[pymethods]

@@ -34,6 +34,8 @@ pub struct PyManifest {
     /// Every file the manifest names (relative paths), the manifest itself excepted, with
     /// its recorded xxh3-64 (hex) where there is one.
     files: Vec<(String, Option<String>)>,
+    /// The payload shards, the parts' included: (relative path, size, xxh3-64 hex).
+    shards: Vec<(String, u64, String)>,
     /// UTC creation time, RFC 3339.
     created_at: String,
     /// Number of payload shards, the parts' included.
@@ -69,6 +71,12 @@ impl From<&Manifest> for PyManifest {
                 .map(|f| f.size)
                 .sum(),
             files: m.files(),
+            shards: m
+                .segments()
+                .iter()
+                .flat_map(|s| s.shards)
+                .map(|f| (f.file.clone(), f.size, f.checksum.clone()))
+                .collect(),
             created_at: m.created_at.clone(),
             num_shards: m.segments().iter().map(|s| s.shards.len()).sum(),
             num_parts: 1 + m.parts.len(),
