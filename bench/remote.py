@@ -71,6 +71,10 @@ def files_in(path: Path) -> dict[str, int]:
     }
 
 
+def cache_shards(work: Path) -> int:
+    return drt.open("local", root=work / "disk").num_shards
+
+
 def epoch_rate(frame: pl.DataFrame, draws: int, epoch: int) -> float:
     loader = frame.drt.loader(batch_size=256, seed=0, num_samples=draws, collate=list)
     loader.set_epoch(epoch)
@@ -84,6 +88,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--record-bytes", type=int, default=200)
     parser.add_argument("--draws", type=int, default=200_000, help="draws per epoch")
+    parser.add_argument("--shard-mb", type=float, default=None, help="shard size (default drt's)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     args = parser.parse_args()
     if args.smoke:
@@ -108,6 +113,7 @@ def main() -> None:
     ).create_bucket(Bucket="bench")
     url = "s3://bench/caches"
 
+    shards = {} if args.shard_mb is None else {"shard_size": int(args.shard_mb * (1 << 20))}
     with tempfile.TemporaryDirectory(prefix="drt-bench-remote-") as scratch:
         work = Path(scratch)
         os.environ["DATASET_RT_HOME"] = str(work / "home")
@@ -119,6 +125,7 @@ def main() -> None:
             root=work / "disk",
             progress=False,
             metadata=lambda r: {"label": r["label"]},
+            **shards,
         )
         build_local = time.perf_counter() - start
         start = time.perf_counter()
@@ -129,11 +136,15 @@ def main() -> None:
             storage_options=options,
             progress=False,
             metadata=lambda r: {"label": r["label"]},
+            **shards,
         )
         build_remote = time.perf_counter() - start
         del data
 
-        print(f"{args.rows:,} records of {args.record_bytes} B; moto S3 server on 127.0.0.1")
+        print(
+            f"{args.rows:,} records of {args.record_bytes} B in {cache_shards(work)} shards; "
+            "moto S3 server on 127.0.0.1"
+        )
         print(
             f"{'build':<44}{build_local:>9.2f} s local, {build_remote:.2f} s to s3:// "
             f"(build + upload)"
