@@ -478,10 +478,18 @@ class Cache:
         """Reads every byte of the cache and reports what is damaged.
 
         See :func:`dataset_rt.verify`; damage is listed in the report, not raised. A remote
-        cache's shards are fetched first (each checked as it arrives), then its copy is read.
+        cache's shards are fetched first (each checked as it arrives), then its copy is read;
+        they must fit in its ``local_limit``.
         """
         copy = fetch.copy_for(self.path)
         if copy is not None:
+            limit = copy.source.local_limit
+            if limit is not None and self.nbytes_on_disk > limit:
+                raise ArgumentError(
+                    f"verifying cache {self.name!r} reads all {self.nbytes_on_disk:,} bytes of "
+                    f"its shards from local disk, more than local_limit={limit:,}; open it with "
+                    "a larger local_limit, or none"
+                )
             copy.fetch_all(progress=progress)
         return verify(self.name, root=self._root, progress=progress)
 
