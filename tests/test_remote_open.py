@@ -354,3 +354,15 @@ def test_a_plot_of_a_remote_cache_fetches_no_payload(
     figure = cache.metadata.drt.plot(by="label")
     assert figure is not None
     assert _local_shards(cache) == []
+
+
+def test_a_loader_fetches_ahead_in_parallel_within_a_bound(
+    url: str, through: dict[str, str], proxy: FaultyProxy, tmp_path: Path
+) -> None:
+    cache = drt.open("rc", root=url, storage_options=through, local_dir=tmp_path / "local")
+    proxy.inject("slow", 1, delay=0.05)
+    batches = sum(1 for _ in cache.scan().drt.loader(batch_size=64, seed=6, collate=list))
+    assert batches == -(-N // 64)
+    # 8 downloads ahead of the batches, and the reader's own for a shard none has started.
+    assert 1 < proxy.most_active <= 9, proxy.most_active
+    assert len(proxy.gets("/shards/")) == len(_local_shards(cache))
