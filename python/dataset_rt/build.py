@@ -214,26 +214,27 @@ def cache(
         alignment = DEFAULT_ALIGNMENT
     if alignment < 1 or alignment & (alignment - 1) or alignment > 4096:
         raise ArgumentError(f"alignment must be a power of two up to 4096, got {alignment}")
+    options = _Options(name, metadata, serializer, progress, shard_size, alignment, codec)
     url = root_url(root)
     if url is not None:
 
         def build_in(staging: Path) -> None:
-            cache(
-                source,
-                name,
-                root=staging,
-                metadata=metadata,
-                serializer=serializer,
-                decode=decode,
-                progress=progress,
-                shard_size=shard_size,
-                alignment=alignment,
-                num_proc=num_proc,
-                compression=compression,
-            )
+            _cache_at(staging, source, options, procs, decode, overwrite=False)
 
         return _cache_remote(url, name, storage_options, overwrite, decode, progress, build_in)
-    root_path = resolve_root(root)
+    return _cache_at(resolve_root(root), source, options, procs, decode, overwrite)
+
+
+def _cache_at(
+    root_path: Path,
+    source: Source,
+    options: _Options,
+    procs: int,
+    decode: Decoder | None,
+    overwrite: bool,
+) -> Cache:
+    """``cache`` under the local root ``root_path``, its arguments checked."""
+    name = options.name
     store = _native.Store(str(root_path))
 
     if not overwrite:
@@ -254,7 +255,6 @@ def cache(
             now = _try_open_or_explain(root_path, name, decode)
             if now is not None:
                 return now
-        options = _Options(name, metadata, serializer, progress, shard_size, alignment, codec)
         _build(store, lock, source, options, procs)
     finally:
         lock.release()
@@ -307,6 +307,7 @@ def _cache_remote(
                 copy.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(staging / name, copy)
         finally:
+            registry.forget_root(staging)
             shutil.rmtree(staging, ignore_errors=True)
     return open_cache(name, root=url, storage_options=storage_options, decode=decode)
 

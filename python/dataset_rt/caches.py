@@ -490,7 +490,11 @@ class Cache:
                     f"its shards from local disk, more than local_limit={limit:,}; open it with "
                     "a larger local_limit, or none"
                 )
-            copy.fetch_all(progress=progress)
+            try:
+                copy.fetch_all(progress=progress)
+                return verify(self.name, root=self._root, progress=progress)
+            finally:
+                copy.release()
         return verify(self.name, root=self._root, progress=progress)
 
     # -- display ----------------------------------------------------------------------------
@@ -662,6 +666,10 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: drt.open(name)
         source = fetch.sync(url, name, storage_options, local, local_limit)
         source.attach()  # before the reader opens: it fetches its shards through it
         return Cache(registry.open_reader(source.root, name), source.root, decode)
+    if local_dir is not None or local_limit is not None:
+        raise ArgumentError(
+            "local_dir and local_limit apply to caches in object storage; this root is a directory"
+        )
     root_path = resolve_root(root)
     return Cache(registry.open_reader(root_path, name), root_path, decode)
 

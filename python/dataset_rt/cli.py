@@ -168,6 +168,18 @@ def _pull(args: argparse.Namespace) -> None:
     print(f"pulled {args.name} ({len(cache):,} samples) into {cache.path}")
 
 
+def _add_storage_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-o",
+        "--storage-option",
+        type=_storage_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the object store, with the keys Polars takes (repeatable)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataset-rt",
@@ -183,15 +195,7 @@ def _parser() -> argparse.ArgumentParser:
         "--root",
         help="directory holding the caches, or an object-storage URL (s3://bucket/prefix, ...)",
     )
-    remote.add_argument(
-        "-o",
-        "--storage-option",
-        type=_storage_option,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of the object store, with the keys Polars takes (repeatable)",
-    )
+    _add_storage_option(remote)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("ls", parents=[remote], help="list the caches under the root")
@@ -224,15 +228,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_bench, parser=p)
     transfer = argparse.ArgumentParser(add_help=False)
-    transfer.add_argument(
-        "-o",
-        "--storage-option",
-        type=_storage_option,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of the object store, with the keys Polars takes (repeatable)",
-    )
+    _add_storage_option(transfer)
     transfer.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p = sub.add_parser(
         "push",

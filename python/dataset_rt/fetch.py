@@ -21,12 +21,15 @@ from __future__ import annotations
 import bisect
 import contextlib
 import fcntl
-import json
+import hashlib
 import os
 import secrets
+import shutil
+import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +38,12 @@ from typing import Any, TypeVar
 from dataset_rt import _native
 from dataset_rt.errors import (
     CacheCorruptError,
+    CacheIOError,
     CacheNotFoundError,
+    DatasetRTError,
     StaleCacheError,
 )
-from dataset_rt.objects import RemoteDir, StorageOptions
+from dataset_rt.objects import Cancelled, RemoteDir, StorageOptions, remote_manifest
 from dataset_rt.progress import BuildProgress
 
 __all__ = [
@@ -55,8 +60,10 @@ __all__ = [
 # and each waits on the network far more than on this machine (obstore releases the GIL).
 IN_FLIGHT = 8
 
-_PARTIAL = ".partial"  # downloads in progress: <pid>-<random>-<file>, never trusted
+_PARTIAL = ".partial"  # downloads in progress: <host>-<pid>-<random>-<file>, never trusted
 _LOCKS = ".locks"
+_MARK = ".dataset_rt-copy"  # in <local>/<cache_id>/: a copy, whose shards eviction may delete
+_HOST = socket.gethostname().replace("-", "_")
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,9 @@ class RemoteSource:
     local: Path
     """The local directory holding every copy (``<local>/<cache_id>/<name>/``)."""
     local_limit: int | None
+    manifest: str
+    """A digest of the manifest the copy was synced to: a new one (an append, a metadata
+    version) makes a new :class:`LocalCopy`."""
 
     @property
     def root(self) -> Path:
@@ -119,14 +129,26 @@ def _flat(file: str) -> str:
     return file.replace("/", "--")
 
 
+def _partial_name(what: str) -> str:
+    return f"{_HOST}-{os.getpid()}-{secrets.token_hex(4)}-{what}"
+
+
 def _remove_dead_partials(root: Path) -> None:
-    """Deletes the downloads that processes which no longer run left behind."""
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(root / _PARTIAL):
-            pid = entry.name.split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+    """Deletes what processes of this machine that no longer run left in ``.partial``."""
+    try:
+        entries = list(os.scandir(root / _PARTIAL))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        host, _, rest = entry.name.partition("-")
+        pid = rest.split("-", 1)[0]
+        if host != _HOST or not pid.isdigit() or _alive(int(pid)):
+            continue  # another machine's (a shared local_dir), or still running
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
 
 
 def _alive(pid: int) -> bool:
@@ -146,15 +168,16 @@ def _download_checked(
     partial: Path,
     size: int | None,
     checksum: str | None,
+    stop: threading.Event | None = None,
 ) -> None:
     """Downloads object ``file`` to ``target`` through a hidden file in ``partial``.
 
     The file is renamed into place only once its size and checksum match the manifest's.
     """
     partial.mkdir(parents=True, exist_ok=True)
-    temp = partial / f"{os.getpid()}-{secrets.token_hex(4)}-{_flat(file)}"
+    temp = partial / _partial_name(_flat(file))
     try:
-        remote.download(file, temp)
+        remote.download(file, temp, stop)
         found_size, found = _native.file_checksum(temp)
         if (size is not None and found_size != size) or (
             checksum is not None and found != checksum
@@ -188,36 +211,54 @@ def sync(
         No cache ``name`` under ``url``.
     CacheCorruptError
         A downloaded file does not match the manifest; the copy's manifest is not updated.
+    StaleCacheError
+        The remote cache was replaced while its files were downloaded, twice in a row.
     """
+    _native.validate_name(name)
     remote = RemoteDir(url, name, storage_options)
-    try:
-        raw = remote.get("manifest.json")
-    except CacheNotFoundError:
-        raise CacheNotFoundError(
-            f"no cache {name!r} under {url} ({remote.where('manifest.json')})"
-        ) from None
-    try:
-        cache_id = str(json.loads(raw)["cache_id"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CacheCorruptError(
-            f"{remote.where('manifest.json')}: not a manifest ({exc})"
-        ) from None
-    source = RemoteSource(
-        url.rstrip("/"),
-        name,
-        cache_id,
-        dict(storage_options) if storage_options else None,
-        local,
-        local_limit,
-    )
+    for attempt in range(2):
+        found = remote_manifest(remote)
+        if found is None:
+            raise CacheNotFoundError(
+                f"no cache {name!r} under {url} ({remote.where('manifest.json')})"
+            )
+        raw, cache_id = found
+        source = RemoteSource(
+            url.rstrip("/"),
+            name,
+            cache_id,
+            dict(storage_options) if storage_options else None,
+            local,
+            local_limit,
+            hashlib.sha256(raw).hexdigest()[:16],
+        )
+        try:
+            _sync_files(remote, source, raw)
+            return source
+        except (CacheCorruptError, CacheNotFoundError):
+            now = remote_manifest(remote)
+            if now is not None and now[0] == raw:
+                raise  # the same manifest: the damage is real
+            if attempt:
+                raise StaleCacheError(
+                    f"cache {name!r} at {remote.url} was replaced twice while it was opened; "
+                    "open it again once it is published"
+                ) from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _sync_files(remote: RemoteDir, source: RemoteSource, raw: bytes) -> None:
+    """Downloads into the copy what manifest ``raw`` names besides shards, then the manifest."""
+    source.root.mkdir(parents=True, exist_ok=True)
+    (source.root / _MARK).touch()
     _remove_dead_partials(source.root)
     manifest_path = source.path / "manifest.json"
     if _same_bytes(manifest_path, raw):
-        return source
+        return
     with _file_lock(source.root / _LOCKS / "manifest.lock"):
         if _same_bytes(manifest_path, raw):
-            return source
-        staging = source.root / _PARTIAL / f"{os.getpid()}-{secrets.token_hex(4)}-manifest"
+            return
+        staging = source.root / _PARTIAL / _partial_name("manifest")
         staging.mkdir(parents=True)
         try:
             (staging / "manifest.json").write_bytes(raw)
@@ -230,11 +271,7 @@ def sync(
                 _download_checked(remote, file, target, source.root / _PARTIAL, None, checksum)
             os.replace(staging / "manifest.json", manifest_path)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                (staging / "manifest.json").unlink()
-            with contextlib.suppress(OSError):
-                staging.rmdir()
-    return source
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _same_bytes(path: Path, raw: bytes) -> bool:
@@ -259,49 +296,75 @@ class LocalCopy:
             file: (size, checksum) for file, size, checksum in manifest.shards
         }
         self._busy: dict[str, threading.Lock] = {}
-        self._busy_lock = threading.Lock()
-        self.fetched = 0
-        """Shard bytes this process downloaded."""
+        self._lock = threading.Lock()
+        self._fetched = 0
 
-    def fetch(self, file: str) -> None:
+    @property
+    def fetched(self) -> int:
+        """Shard bytes this process downloaded into the copy."""
+        return self._fetched
+
+    def fetch(self, file: str, stop: threading.Event | None = None) -> None:
         """Makes shard ``file`` present in the copy, downloading and checking it if needed.
 
         Called by the engine before a reader first maps the shard, and by
-        :class:`ShardPrefetch` ahead of the reads. A present shard is marked as just used,
-        for the least-recently-used eviction.
+        :class:`ShardPrefetch` ahead of the reads (which may ``stop`` it). A present shard
+        is marked as just used, for the least-recently-used eviction.
+
+        Raises
+        ------
+        CacheCorruptError
+            The remote shard does not match the manifest, or the manifest names no such
+            shard; nothing is published.
+        StaleCacheError
+            The remote cache is no longer this build.
+        CacheIOError
+            Object storage or the local disk failed.
         """
         path = self.source.path / file
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.utime(path)
             return
-        with self._busy_lock:
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise CacheIOError(f"cannot use {path}: {exc}") from exc
+        if file not in self.shards:
+            raise CacheCorruptError(f"{self.source.path}: the manifest names no shard {file}")
+        with self._lock:
             busy = self._busy.setdefault(file, threading.Lock())
-        with busy, _file_lock(self.source.root / _LOCKS / f"{_flat(file)}.lock"):
-            if path.exists():
-                return
-            size, checksum = self.shards[file]
-            try:
-                _download_checked(
-                    self.remote, file, path, self.source.root / _PARTIAL, size, checksum
-                )
-            except (CacheCorruptError, CacheNotFoundError) as exc:
-                self._check_not_rebuilt()
-                raise exc
-            self.fetched += size
+        try:
+            with busy, _file_lock(self.source.root / _LOCKS / f"{_flat(file)}.lock"):
+                if path.exists():
+                    return
+                size, checksum = self.shards[file]
+                try:
+                    _download_checked(
+                        self.remote, file, path, self.source.root / _PARTIAL, size, checksum, stop
+                    )
+                except (CacheCorruptError, CacheNotFoundError):
+                    self._check_not_rebuilt()
+                    raise
+                with self._lock:
+                    self._fetched += size
+        except DatasetRTError:
+            raise
+        except OSError as exc:  # the local disk: full, read-only, permissions
+            raise CacheIOError(
+                f"fetching {self.remote.where(file)} into {path} failed: {exc}"
+            ) from exc
         if self.source.local_limit is not None:
             evict(self.source.local, self.source.local_limit, keep={path})
 
     def _check_not_rebuilt(self) -> None:
         """Raises StaleCacheError if the remote cache is another build than this copy's."""
         try:
-            raw = self.remote.get("manifest.json")
-            found: str | None = str(json.loads(raw).get("cache_id"))
-        except CacheNotFoundError:
-            found = None
-        except ValueError:
+            found = remote_manifest(self.remote)
+        except CacheCorruptError:
             return
-        if found != self.source.cache_id:
-            now = "was deleted" if found is None else f"was rebuilt (cache_id {found})"
+        cache_id = None if found is None else found[1]
+        if cache_id != self.source.cache_id:
+            now = "was deleted" if cache_id is None else f"was rebuilt (cache_id {cache_id})"
             raise StaleCacheError(
                 f"cache {self.source.name!r} at {self.remote.url} {now} since build "
                 f"{self.source.cache_id} was opened; its shards are not mixed with this "
@@ -313,7 +376,12 @@ class LocalCopy:
         return (self.source.path / file).exists()
 
     def fetch_all(self, progress: bool = False) -> None:
-        """Fetches every shard not in the copy, ``IN_FLIGHT`` at a time."""
+        """Fetches every shard not in the copy, ``IN_FLIGHT`` at a time.
+
+        This process keeps them from eviction until :meth:`release`.
+        """
+        with _lock:
+            _pinned.update(self.source.path / file for file in self.shards)
 
         def one(file: str) -> int:
             self.fetch(file)
@@ -321,6 +389,11 @@ class LocalCopy:
 
         missing = [file for file in self.shards if not self.present(file)]
         in_parallel(missing, one, f"fetch {self.source.name}", progress)
+
+    def release(self) -> None:
+        """Lets eviction delete the shards :meth:`fetch_all` kept."""
+        with _lock:
+            _pinned.difference_update(self.source.path / file for file in self.shards)
 
 
 T = TypeVar("T")
@@ -354,24 +427,45 @@ def in_parallel(
         bar.close(ok=ok)
 
 
+_pinned: set[Path] = set()  # shards this process keeps from eviction (a verify's)
+
+
 def _shard_files(local: Path) -> list[os.DirEntry[str]]:
-    """Every shard file of every copy under ``local``."""
+    """Every shard file of every copy under ``local``.
+
+    Only directories marked as copies count: a local root under it is never touched.
+    """
     found: list[os.DirEntry[str]] = []
-    for dirpath, dirnames, _ in os.walk(local):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        if os.path.basename(dirpath) == "shards":
-            with contextlib.suppress(FileNotFoundError):
-                found.extend(e for e in os.scandir(dirpath) if e.is_file(follow_symlinks=False))
+    with contextlib.suppress(FileNotFoundError):
+        for copy in os.scandir(local):
+            if not (
+                copy.is_dir(follow_symlinks=False)
+                and os.path.exists(os.path.join(copy.path, _MARK))
+            ):
+                continue
+            for cache in os.scandir(copy.path):
+                if cache.name.startswith(".") or not cache.is_dir(follow_symlinks=False):
+                    continue
+                dirs = [os.path.join(cache.path, "shards")]
+                with contextlib.suppress(FileNotFoundError):
+                    dirs += [
+                        os.path.join(part.path, "shards")
+                        for part in os.scandir(os.path.join(cache.path, "parts"))
+                    ]
+                for shards in dirs:
+                    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                        found.extend(
+                            e for e in os.scandir(shards) if e.is_file(follow_symlinks=False)
+                        )
     return found
 
 
 def evict(local: Path, limit: int, keep: AbstractSet[Path] = frozenset()) -> int:
     """Deletes least recently used shards under ``local`` until at most ``limit`` bytes remain.
 
-    Spares ``keep``; returns the bytes deleted.
-
-    A reader that has a deleted shard mapped keeps reading it (its space is freed when the
-    last mapping goes); a reader that needs it later fetches it again.
+    Spares ``keep`` and what this process pinned; returns the bytes deleted. A reader that
+    has a deleted shard mapped keeps reading it (its space is freed when the last mapping
+    goes); a reader that needs it later fetches it again.
     """
     entries = []
     for entry in _shard_files(local):
@@ -379,11 +473,13 @@ def evict(local: Path, limit: int, keep: AbstractSet[Path] = frozenset()) -> int
             stat = entry.stat(follow_symlinks=False)
             entries.append((stat.st_mtime_ns, stat.st_size, entry.path))
     total = sum(size for _, size, _ in entries)
+    with _lock:
+        spared = set(keep) | _pinned
     freed = 0
     for _, size, path in sorted(entries):
         if total - freed <= limit:
             break
-        if Path(path) in keep:
+        if Path(path) in spared:
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -408,7 +504,8 @@ class ShardPrefetch:
     _stop: threading.Event = field(default_factory=threading.Event)
     _moved: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
-    error: BaseException | None = None
+    errors: list[Exception] = field(default_factory=list)
+    """What failed ahead of the reads; the reader fetched those shards itself."""
 
     def start(self) -> ShardPrefetch:
         """Starts fetching on a thread of its own; returns itself."""
@@ -436,23 +533,28 @@ class ShardPrefetch:
         for copy, file, _ in self.order:
             ends.append(ends[-1] + copy.shards[file][0])
         running: list[Future[None]] = []
+        with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="drt-fetch") as pool:
+            for i, (copy, file, _) in enumerate(self.order):
+                with self._moved:
+                    while not self._stop.is_set() and not self._may_fetch(i, batches, ends):
+                        self._moved.wait(0.5)
+                while len(running) >= IN_FLIGHT and not self._stop.is_set():
+                    futures.wait(running, return_when=futures.FIRST_COMPLETED)
+                    running = [f for f in running if not f.done()]
+                if self._stop.is_set():
+                    break
+                if not copy.present(file):
+                    running.append(pool.submit(self._fetch, copy, file))
+            # Running downloads see the stop flag between chunks; waiting ones never start.
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _fetch(self, copy: LocalCopy, file: str) -> None:
         try:
-            with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="drt-fetch") as pool:
-                for i, (copy, file, _) in enumerate(self.order):
-                    with self._moved:
-                        while not self._stop.is_set() and not self._may_fetch(i, batches, ends):
-                            self._moved.wait(0.5)
-                    while len(running) >= IN_FLIGHT and not self._stop.is_set():
-                        running[0].result()  # raises what a download raised
-                        running = [f for f in running if not f.done()]
-                    if self._stop.is_set():
-                        break
-                    if not copy.present(file):
-                        running.append(pool.submit(copy.fetch, file))
-                for future in running:
-                    future.cancel() if self._stop.is_set() else future.result()
-        except BaseException as exc:  # the reader fetches on its own and raises what it finds
-            self.error = exc
+            copy.fetch(file, self._stop)
+        except Cancelled:
+            pass
+        except Exception as exc:  # the reader fetches the shard again, and raises
+            self.errors.append(exc)
 
     def _may_fetch(self, i: int, batches: list[int], ends: list[int]) -> bool:
         """Whether shard ``i`` of the order may be fetched now.

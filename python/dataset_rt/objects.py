@@ -11,8 +11,10 @@ the object.
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
+import threading
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -20,10 +22,16 @@ from typing import Any
 from urllib.parse import urlparse
 
 from dataset_rt import _native
-from dataset_rt.errors import ArgumentError, CacheIOError, CacheNotFoundError
+from dataset_rt.errors import (
+    ArgumentError,
+    CacheCorruptError,
+    CacheIOError,
+    CacheNotFoundError,
+    DatasetRTError,
+)
 from dataset_rt.roots import is_url
 
-__all__ = ["RemoteDir", "StorageOptions", "list_names", "read_manifest"]
+__all__ = ["RemoteDir", "StorageOptions", "list_names", "read_manifest", "remote_manifest"]
 
 StorageOptions = Mapping[str, Any] | None
 """Options for the object store, with the keys Polars' cloud readers take."""
@@ -70,6 +78,10 @@ def _split_options(options: StorageOptions) -> tuple[dict[str, Any], dict[str, A
         else:
             config[key] = value
     return config, client
+
+
+class Cancelled(Exception):
+    """A download stopped because its reader no longer needs it."""
 
 
 def _store(url: str, options: StorageOptions) -> Any:
@@ -149,19 +161,34 @@ class RemoteDir:
             raise self.error(path, exc) from exc
         return True
 
-    def download(self, path: str, target: Path) -> int:
-        """Writes object ``path`` to file ``target``; returns its size."""
+    def download(self, path: str, target: Path, stop: threading.Event | None = None) -> int:
+        """Writes object ``path`` to file ``target``; returns its size.
+
+        With ``stop``, a download stops between chunks once it is set (raising
+        :class:`Cancelled`), leaving ``target`` incomplete.
+        """
         import obstore
 
-        target.parent.mkdir(parents=True, exist_ok=True)
-        written = 0
         try:
-            with target.open("wb") as out:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            out = target.open("wb")
+        except OSError as exc:
+            raise CacheIOError(f"cannot write {target}: {exc}") from exc
+        written = 0
+        with out:
+            try:
                 for chunk in obstore.get(self.store, path).stream(min_chunk_size=8 << 20):
-                    out.write(chunk)
+                    if stop is not None and stop.is_set():
+                        raise Cancelled(self.where(path))
+                    try:
+                        out.write(chunk)
+                    except OSError as exc:  # the local disk: full, say
+                        raise CacheIOError(f"writing {target} failed: {exc}") from exc
                     written += len(chunk)
-        except Exception as exc:
-            raise self.error(path, exc) from exc
+            except (Cancelled, DatasetRTError):
+                raise
+            except Exception as exc:
+                raise self.error(path, exc) from exc
         return written
 
     def delete(self, path: str) -> None:
@@ -196,6 +223,31 @@ def list_names(url: str, options: StorageOptions) -> list[str]:
     return [n for n in names if not n.startswith(".") and where.exists(f"{n}/manifest.json")]
 
 
+def remote_manifest(remote: RemoteDir) -> tuple[bytes, str] | None:
+    """The manifest of the cache in ``remote`` as stored, and its ``cache_id``; None if none.
+
+    Raises
+    ------
+    CacheCorruptError
+        The object is not a manifest.
+    """
+    try:
+        raw = remote.get("manifest.json")
+    except CacheNotFoundError:
+        return None
+    try:
+        cache_id = json.loads(raw)["cache_id"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CacheCorruptError(
+            f"{remote.where('manifest.json')}: not a manifest ({exc})"
+        ) from None
+    if not isinstance(cache_id, str) or not re.fullmatch(r"[0-9a-zA-Z_-]{1,64}", cache_id):
+        raise CacheCorruptError(
+            f"{remote.where('manifest.json')}: cache_id {cache_id!r} is not a build id"
+        )
+    return raw, cache_id
+
+
 def read_manifest(remote: RemoteDir) -> _native.Manifest:
     """The manifest of the cache in ``remote``, read and checked by the engine.
 
@@ -206,7 +258,9 @@ def read_manifest(remote: RemoteDir) -> _native.Manifest:
     CacheCorruptError
         It is not a manifest this dataset_rt reads.
     """
-    raw = remote.get("manifest.json")
+    found = remote_manifest(remote)
+    if found is None:
+        raise CacheNotFoundError(f"no object at {remote.where('manifest.json')}")
     with tempfile.TemporaryDirectory(prefix="dataset_rt-manifest-") as scratch:
-        (Path(scratch) / "manifest.json").write_bytes(raw)
+        (Path(scratch) / "manifest.json").write_bytes(found[0])
         return _native.read_manifest(scratch)

@@ -20,7 +20,7 @@ from dataset_rt import _native
 from dataset_rt.errors import CacheCorruptError, CacheNotFoundError
 from dataset_rt.roots import PathLike, default_root, resolve_root, root_url
 
-__all__ = ["locate", "open_reader", "remember_version", "saved_version"]
+__all__ = ["forget_root", "locate", "open_reader", "remember_version", "saved_version"]
 
 # Reentrant: a frame's weakref callback may run (and take it) during a collection that
 # happens while this thread holds it.
@@ -86,13 +86,21 @@ def locate(cache_id: str, root: PathLike | None = None) -> tuple[_native.CacheRe
         search_roots = roots if root_url(None) else [*roots, default_root()]
     found = _search(cache_id, dict.fromkeys(search_roots))
     if found is None:
-        where = ", ".join(str(r) for r in dict.fromkeys(search_roots))
+        where = ", ".join(str(r) for r in dict.fromkeys(search_roots)) or "no root seen yet"
         raise CacheNotFoundError(
             f"no cache with cache_id {cache_id!r} under {where}; it was rebuilt or deleted, "
             "or lives under another root (pass root=)"
         )
     root_path, name = found
     return open_reader(root_path, name), root_path
+
+
+def forget_root(root: Path) -> None:
+    """Stops looking for caches under ``root`` (a directory about to be deleted)."""
+    with _lock:
+        _roots.pop(root, None)
+        for cache_id in [i for i, (r, _) in _places.items() if r == root]:
+            del _places[cache_id]
 
 
 def remember_version(frame: Any, cache: Any, version: int) -> None:

@@ -19,9 +19,7 @@ timeout is retried with backoff for a few seconds, then raised as
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from dataset_rt import _native, fetch, registry
 from dataset_rt.caches import Cache
@@ -30,10 +28,10 @@ from dataset_rt.errors import (
     CacheCorruptError,
     CacheNotFoundError,
 )
-from dataset_rt.objects import RemoteDir, StorageOptions
-from dataset_rt.roots import PathLike, resolve_root
+from dataset_rt.objects import RemoteDir, StorageOptions, remote_manifest
+from dataset_rt.roots import PathLike, is_url, resolve_root
 
-__all__ = ["pull", "push"]
+__all__ = ["is_url", "pull", "push"]
 
 
 def push(
@@ -70,8 +68,8 @@ def push(
     store = _native.Store(str(root_path))
     manifest = store.manifest(name)
     remote = RemoteDir(url, name, storage_options)
-    existing = _remote_manifest(remote)
-    remote_id = None if existing is None else existing[1].get("cache_id")
+    existing = remote_manifest(remote)
+    remote_id = None if existing is None else existing[1]
     if existing is not None and remote_id != manifest.cache_id:
         if not overwrite:
             raise ArgumentError(
@@ -105,15 +103,6 @@ def _check_local(path: Path, expected: str | None) -> None:
         )
 
 
-def _remote_manifest(remote: RemoteDir) -> tuple[bytes, dict[str, Any]] | None:
-    """The remote manifest as stored, and parsed; None if there is none."""
-    try:
-        raw = remote.get("manifest.json")
-    except CacheNotFoundError:
-        return None
-    return raw, dict(json.loads(raw))
-
-
 def pull(
     url: str,
     name: str,
@@ -144,20 +133,20 @@ def pull(
     root_path = resolve_root(root)
     root_path.mkdir(parents=True, exist_ok=True)
     remote = RemoteDir(url, name, storage_options)
-    found = _remote_manifest(remote)
+    found = remote_manifest(remote)
     if found is None:
         raise CacheNotFoundError(f"no cache {name!r} under {url} ({remote.where('manifest.json')})")
-    raw, text = found
+    raw, remote_id = found
     store = _native.Store(str(root_path))
     with store.lock(name) as lock:
         if store.exists(name):
             local_id = store.manifest(name).cache_id
-            if local_id == text.get("cache_id"):
+            if local_id == remote_id:
                 return Cache(registry.open_reader(root_path, name), root_path)
             if not overwrite:
                 raise ArgumentError(
                     f"{root_path / name} holds another build of {name!r} (cache_id "
-                    f"{local_id}, the remote one {text.get('cache_id')}); pass "
+                    f"{local_id}, the remote one {remote_id}); pass "
                     "overwrite=True to replace it"
                 )
         copy = Path(store.begin_copy(lock))

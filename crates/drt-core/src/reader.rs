@@ -166,13 +166,28 @@ impl CacheReader {
         if let Some(map) = shard.map.get() {
             return Ok(map);
         }
-        if let Some(fetcher) = &self.fetcher {
-            fetcher.fetch(&shard.file).map_err(|source| Error::Fetch {
-                path: shard.path.clone(),
-                source,
+        let Some(fetcher) = &self.fetcher else {
+            return Err(Error::Internal(format!(
+                "{} was not mapped at open",
+                shard.path.display()
+            )));
+        };
+        let mut attempts = 0;
+        let map = loop {
+            // The fetcher runs Python: its faults are not a shard's.
+            crate::sigbus::unguarded(|| fetcher.fetch(&shard.file)).map_err(|source| {
+                Error::Fetch {
+                    path: shard.path.clone(),
+                    source,
+                }
             })?;
-        }
-        let map = map_shard(&self.dir, &shard.file, shard.size)?;
+            match map_shard(&self.dir, &shard.file, shard.size) {
+                Ok(map) => break map,
+                // Evicted by another reader between its fetch and this mapping: fetch again.
+                Err(_) if attempts < 3 && !shard.path.exists() => attempts += 1,
+                Err(e) => return Err(e),
+            }
+        };
         // Two threads may map it at once: both get the process's one mapping of the file.
         Ok(shard.map.get_or_init(|| map))
     }

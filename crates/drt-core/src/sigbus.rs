@@ -102,6 +102,16 @@ pub fn guarded<T>(f: impl FnOnce() -> T) -> (T, bool) {
     (out, faulted)
 }
 
+/// Runs `f` outside any guarded section, even when called from inside one: code that is no
+/// read of a cache's mapped files (a fetcher's download, say) must not have its own faults
+/// taken for a shrunk shard's.
+pub fn unguarded<T>(f: impl FnOnce() -> T) -> T {
+    let outer = GUARDED.with(|g| g.replace(false));
+    let out = f();
+    GUARDED.with(|g| g.set(outer));
+    out
+}
+
 fn install() {
     PREVIOUS.get_or_init(|| {
         // SAFETY: sysconf has no preconditions.

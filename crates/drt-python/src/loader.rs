@@ -365,8 +365,19 @@ impl PyBatch {
 
 #[pyclass(name = "Prefetcher", module = "dataset_rt._native", frozen)]
 pub struct PyPrefetcher {
-    prefetcher: Prefetcher,
+    /// Taken out when dropped, so that its thread is joined with the GIL released.
+    prefetcher: Option<Prefetcher>,
     pid: u32,
+}
+
+impl Drop for PyPrefetcher {
+    fn drop(&mut self) {
+        if let Some(prefetcher) = self.prefetcher.take() {
+            // Dropping joins the reading thread, which may be waiting for the GIL in a
+            // remote cache's fetcher: release it meanwhile.
+            Python::attach(|py| py.detach(move || drop(prefetcher)));
+        }
+    }
 }
 
 #[pymethods]
@@ -404,7 +415,7 @@ impl PyPrefetcher {
             Prefetcher::start(source, numbers, depth)
         })?;
         Ok(Self {
-            prefetcher,
+            prefetcher: Some(prefetcher),
             pid: std::process::id(),
         })
     }
@@ -416,7 +427,7 @@ impl PyPrefetcher {
     /// Batches already read and waiting in the queue (0: the next call waits for a read).
     #[getter]
     fn ready(&self) -> usize {
-        self.prefetcher.ready()
+        self.prefetcher.as_ref().map_or(0, Prefetcher::ready)
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<PyBatch>> {
@@ -427,7 +438,10 @@ impl PyPrefetcher {
                  loader inside the child instead",
             ));
         }
-        match py.detach(|| self.prefetcher.next()) {
+        let Some(prefetcher) = &self.prefetcher else {
+            return Ok(None);
+        };
+        match py.detach(|| prefetcher.next()) {
             None => Ok(None),
             Some(Ok(inner)) => Ok(Some(PyBatch { inner })),
             Some(Err(e)) => Err(to_py(py, e)),
