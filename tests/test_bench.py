@@ -33,7 +33,12 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["startup.py", "--smoke"], ["metadata  import", "scan()    import", "anonymous"]),
         (
             ["remote.py", "--smoke"],
-            ["open + metadata ready, s3://", "0 of them shards", "second epoch", "fetched over"],
+            [
+                "open + metadata ready, s3://",
+                "0 of them shards",
+                "second epoch",
+                "fetched on demand",
+            ],
         ),
     ],
     ids=["build", "build-ray", "metadata", "loader", "serialize", "access", "startup", "remote"],

@@ -99,10 +99,14 @@ def test_opening_reads_the_metadata_files_alone_and_analysis_fetches_no_payload(
     assert balanced["weight"].sum() > 0
     drt.list_caches(url, storage_options=through)
     fetched = {path.split("/rc/", 1)[1] for path in proxy.gets("/rc/")}
-    assert not [f for f in fetched if "shards/" in f], "no payload shard was fetched"
-    assert {"manifest.json", "index.arrow"} <= fetched
-    assert any(f.startswith("metadata/") for f in fetched)
+    assert fetched == {"manifest.json", "metadata/v00001.parquet"}, "the metadata files alone"
     assert _local_shards(cache) == []
+    # A loader needs the saved plan (when it is made) and the index (when it reads).
+    loader = cache.scan().drt.loader(batch_size=8, seed=0, collate=list)
+    assert "/rc/metadata/v00001.plan" in "".join(proxy.gets("/rc/"))
+    assert sum(len(batch) for batch in loader) == N
+    fetched = {path.split("/rc/", 1)[1] for path in proxy.gets("/rc/")}
+    assert {"index.arrow", "metadata/v00001.plan"} <= fetched
 
 
 def test_records_and_loaders_fetch_each_needed_shard_once_and_match_a_local_cache(

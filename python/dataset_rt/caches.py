@@ -350,10 +350,15 @@ class Cache:
             return None
         path = self.path / _native.plan_file(version)
         try:
+            copy = fetch.copy_for(self.path)
+            if copy is not None:  # a remote cache's plan is fetched when a loader needs it
+                copy.fetch(_native.plan_file(version))
             rows, caches, weighted = _native.plan_rows(path)
             if verify and _native.file_checksum(path)[1] != digest:
                 return None
-        except (CacheCorruptError, CacheIOError):
+        except StaleCacheError:
+            raise
+        except (CacheCorruptError, CacheIOError, CacheNotFoundError):
             return None
         if caches != 1 or not weighted:
             return None

@@ -53,6 +53,7 @@ __all__ = [
     "copy_for",
     "evict",
     "in_parallel",
+    "on_demand",
     "sync",
 ]
 
@@ -202,8 +203,8 @@ def sync(
 ) -> RemoteSource:
     """Brings the local copy of remote cache ``name`` up to date; returns its source.
 
-    Downloads what the remote manifest names besides the shards (indexes, metadata tables,
-    loader plans), each checked, and the manifest last.
+    Downloads the metadata tables the remote manifest names, each checked, and the manifest
+    last (the rest is fetched on first use, see :func:`on_demand`).
 
     Raises
     ------
@@ -248,7 +249,7 @@ def sync(
 
 
 def _sync_files(remote: RemoteDir, source: RemoteSource, raw: bytes) -> None:
-    """Downloads into the copy what manifest ``raw`` names besides shards, then the manifest."""
+    """Downloads what manifest ``raw`` names besides :func:`on_demand` files, then itself."""
     source.root.mkdir(parents=True, exist_ok=True)
     (source.root / _MARK).touch()
     _remove_dead_partials(source.root)
@@ -263,15 +264,29 @@ def _sync_files(remote: RemoteDir, source: RemoteSource, raw: bytes) -> None:
         try:
             (staging / "manifest.json").write_bytes(raw)
             manifest = _native.read_manifest(staging)
-            shards = {file for file, _, _ in manifest.shards}
+            later = on_demand(manifest)
             for file, checksum in manifest.files:
                 target = source.path / file
-                if file in shards or (target.exists() and _matches(target, checksum)):
+                if file in later or (target.exists() and _matches(target, checksum)):
                     continue
                 _download_checked(remote, file, target, source.root / _PARTIAL, None, checksum)
             os.replace(staging / "manifest.json", manifest_path)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def on_demand(manifest: _native.Manifest) -> dict[str, tuple[int | None, str]]:
+    """The files of a copy fetched when first used, with their size (if recorded) and checksum.
+
+    These are shards, indexes and loader plans. Opening fetches the rest: the metadata
+    tables, which is all that analysing the metadata reads.
+    """
+    files: dict[str, tuple[int | None, str]] = {
+        file: (size, checksum) for file, size, checksum in manifest.shards + manifest.indexes
+    }
+    for version, checksum in manifest.plan_checksums.items():
+        files[_native.plan_file(version)] = (None, checksum)
+    return files
 
 
 def _same_bytes(path: Path, raw: bytes) -> bool:
@@ -295,21 +310,24 @@ class LocalCopy:
         self.shards: dict[str, tuple[int, str]] = {
             file: (size, checksum) for file, size, checksum in manifest.shards
         }
+        self.files = on_demand(manifest)
+        """What :meth:`fetch` fetches: shards, indexes and plans."""
         self._busy: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
         self._fetched = 0
 
     @property
     def fetched(self) -> int:
-        """Shard bytes this process downloaded into the copy."""
+        """Bytes this process downloaded into the copy on demand (shards, indexes, plans)."""
         return self._fetched
 
     def fetch(self, file: str, stop: threading.Event | None = None) -> None:
-        """Makes shard ``file`` present in the copy, downloading and checking it if needed.
+        """Makes ``file`` present in the copy, downloading and checking it if needed.
 
-        Called by the engine before a reader first maps the shard, and by
-        :class:`ShardPrefetch` ahead of the reads (which may ``stop`` it). A present shard
-        is marked as just used, for the least-recently-used eviction.
+        Called by the engine before a reader first maps a shard or an index, by
+        :class:`ShardPrefetch` ahead of the reads (which may ``stop`` it), and for a loader
+        plan. A present file is marked as just used, for the least-recently-used eviction
+        of shards.
 
         Raises
         ------
@@ -329,15 +347,15 @@ class LocalCopy:
             pass
         except OSError as exc:
             raise CacheIOError(f"cannot use {path}: {exc}") from exc
-        if file not in self.shards:
-            raise CacheCorruptError(f"{self.source.path}: the manifest names no shard {file}")
+        if file not in self.files:
+            raise CacheCorruptError(f"{self.source.path}: the manifest names no file {file}")
         with self._lock:
             busy = self._busy.setdefault(file, threading.Lock())
         try:
             with busy, _file_lock(self.source.root / _LOCKS / f"{_flat(file)}.lock"):
                 if path.exists():
                     return
-                size, checksum = self.shards[file]
+                size, checksum = self.files[file]
                 try:
                     _download_checked(
                         self.remote, file, path, self.source.root / _PARTIAL, size, checksum, stop
@@ -346,7 +364,7 @@ class LocalCopy:
                     self._check_not_rebuilt()
                     raise
                 with self._lock:
-                    self._fetched += size
+                    self._fetched += path.stat().st_size
         except DatasetRTError:
             raise
         except OSError as exc:  # the local disk: full, read-only, permissions
@@ -376,18 +394,18 @@ class LocalCopy:
         return (self.source.path / file).exists()
 
     def fetch_all(self, progress: bool = False) -> None:
-        """Fetches every shard not in the copy, ``IN_FLIGHT`` at a time.
+        """Fetches every file not in the copy, ``IN_FLIGHT`` at a time.
 
-        This process keeps them from eviction until :meth:`release`.
+        This process keeps the shards from eviction until :meth:`release`.
         """
         with _lock:
             _pinned.update(self.source.path / file for file in self.shards)
 
         def one(file: str) -> int:
             self.fetch(file)
-            return self.shards[file][0]
+            return (self.source.path / file).stat().st_size
 
-        missing = [file for file in self.shards if not self.present(file)]
+        missing = [file for file in self.files if not self.present(file)]
         in_parallel(missing, one, f"fetch {self.source.name}", progress)
 
     def release(self) -> None:

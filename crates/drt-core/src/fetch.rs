@@ -1,12 +1,13 @@
-//! Shards fetched on first use: caches whose payloads live elsewhere (object storage).
+//! Files fetched on first use: caches whose indexes and payloads live elsewhere (object
+//! storage).
 //!
 //! The engine's third piece of process-wide state, beside [`crate::mapping`]'s table of
 //! mappings and [`crate::sigbus`]'s guarded ranges: a table of [`Fetcher`]s by cache
-//! directory. A reader opened on a directory that has one maps its shards lazily: it checks
-//! no shard at open, and the first read of each shard asks the fetcher to make the file
-//! present (download, check and publish it, or wait for whoever is doing so), then maps it
-//! like any local shard. Directories without a fetcher are read as before: every shard is
-//! checked and mapped at open.
+//! directory. A reader opened on a directory that has one maps its indexes and shards
+//! lazily: it checks none at open, and the first use of each asks the fetcher to make the
+//! file present (download, check and publish it, or wait for whoever is doing so), then maps
+//! it like a local one. Directories without a fetcher are read as before: every index and
+//! shard is checked and mapped at open.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -15,11 +16,11 @@ use std::sync::{Arc, Mutex};
 /// What a fetcher's failure carries: the caller's own error, handed back unchanged.
 pub type FetchError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Makes a cache's shard files present on first use.
+/// Makes a cache's index and shard files present on first use.
 pub trait Fetcher: Send + Sync {
-    /// Called before shard `file` (relative to the cache directory) is first mapped by a
-    /// reader; returns once the file is there, complete and checked against the manifest.
-    /// Called for present files too, so that the fetcher sees which shards are in use.
+    /// Called before `file` (an index or a shard, relative to the cache directory) is first
+    /// mapped by a reader; returns once the file is there, complete and checked against the
+    /// manifest. Called for present files too, so that the fetcher sees which are in use.
     fn fetch(&self, file: &str) -> std::result::Result<(), FetchError>;
 }
 

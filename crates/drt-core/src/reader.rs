@@ -2,8 +2,8 @@
 //!
 //! Opening checks every file's size against the manifest and parses the index's footer, but
 //! reads no payload byte; each read checks the record's bounds against its mapped shard.
-//! A cache whose shards are fetched on first use (see [`crate::fetch`]) checks and maps each
-//! shard when it is first read instead.
+//! A cache whose files are fetched on first use (see [`crate::fetch`]) checks and maps each
+//! index and shard when it is first needed instead.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,8 +29,11 @@ struct Shard {
 struct Segment {
     /// The sample id of its first record.
     first: u64,
-    index: Index,
+    num_samples: u64,
+    /// Set at open, or for a fetched cache when a record is first looked up.
+    index: OnceLock<Index>,
     index_file: String,
+    index_size: u64,
     shards: Vec<Shard>,
 }
 
@@ -107,11 +110,24 @@ fn map_shard(dir: &Path, file: &str, size: u64) -> Result<Arc<MappedFile>> {
     Ok(map)
 }
 
-/// Maps a segment's index, and unless its shards are fetched on first read (`lazy`), its
-/// shards, checking each against the manifest's sizes.
+/// Checks the index `file` against the `size` the manifest records and maps it.
+fn map_index(dir: &Path, file: &str, size: u64, num_samples: u64) -> Result<Index> {
+    Index::open(&check_size(dir, file, size)?, num_samples)
+}
+
+/// Maps a segment's index and shards, checking each against the manifest's sizes; unless
+/// they are fetched on first use (`lazy`).
 fn open_segment(dir: &Path, segment: &crate::format::Segment<'_>, lazy: bool) -> Result<Segment> {
-    let index_path = check_size(dir, &segment.index.file, segment.index.size)?;
-    let index = Index::open(&index_path, segment.num_samples)?;
+    let index = OnceLock::new();
+    if !lazy {
+        let entry = segment.index;
+        let _ = index.set(map_index(
+            dir,
+            &entry.file,
+            entry.size,
+            segment.num_samples,
+        )?);
+    }
     let mut shards = Vec::with_capacity(segment.shards.len());
     for entry in segment.shards {
         let map = OnceLock::new();
@@ -127,8 +143,10 @@ fn open_segment(dir: &Path, segment: &crate::format::Segment<'_>, lazy: bool) ->
     }
     Ok(Segment {
         first: segment.first,
+        num_samples: segment.num_samples,
         index,
         index_file: segment.index.file.clone(),
+        index_size: segment.index.size,
         shards,
     })
 }
@@ -166,30 +184,47 @@ impl CacheReader {
         if let Some(map) = shard.map.get() {
             return Ok(map);
         }
+        let map = self.fetched(&shard.file, || {
+            map_shard(&self.dir, &shard.file, shard.size)
+        })?;
+        // Two threads may map it at once: both get the process's one mapping of the file.
+        Ok(shard.map.get_or_init(|| map))
+    }
+
+    /// `segment`'s index: mapped at open, or fetched and mapped on the first lookup.
+    fn index<'a>(&self, segment: &'a Segment) -> Result<&'a Index> {
+        if let Some(index) = segment.index.get() {
+            return Ok(index);
+        }
+        let file = &segment.index_file;
+        let index = self.fetched(file, || {
+            map_index(&self.dir, file, segment.index_size, segment.num_samples)
+        })?;
+        Ok(segment.index.get_or_init(|| index))
+    }
+
+    /// `open(file)` once the fetcher has made `file` present. A file evicted by another
+    /// process between its fetch and its opening is fetched again.
+    fn fetched<T>(&self, file: &str, open: impl Fn() -> Result<T>) -> Result<T> {
+        let path = self.dir.join(file);
         let Some(fetcher) = &self.fetcher else {
             return Err(Error::Internal(format!(
                 "{} was not mapped at open",
-                shard.path.display()
+                path.display()
             )));
         };
         let mut attempts = 0;
-        let map = loop {
-            // The fetcher runs Python: its faults are not a shard's.
-            crate::sigbus::unguarded(|| fetcher.fetch(&shard.file)).map_err(|source| {
-                Error::Fetch {
-                    path: shard.path.clone(),
-                    source,
-                }
+        loop {
+            // The fetcher runs Python: its faults are not a mapped file's.
+            crate::sigbus::unguarded(|| fetcher.fetch(file)).map_err(|source| Error::Fetch {
+                path: path.clone(),
+                source,
             })?;
-            match map_shard(&self.dir, &shard.file, shard.size) {
-                Ok(map) => break map,
-                // Evicted by another reader between its fetch and this mapping: fetch again.
-                Err(_) if attempts < 3 && !shard.path.exists() => attempts += 1,
-                Err(e) => return Err(e),
+            match open() {
+                Err(_) if attempts < 3 && !path.exists() => attempts += 1,
+                opened => return opened,
             }
-        };
-        // Two threads may map it at once: both get the process's one mapping of the file.
-        Ok(shard.map.get_or_init(|| map))
+        }
     }
 
     /// The shard file (relative to the cache directory) holding record `sample_id`.
@@ -275,9 +310,10 @@ impl CacheReader {
     }
 
     /// Where record `sample_id` lives: its index entry (offsets within its shard) and shard.
-    fn location(&self, sample_id: u64) -> (Location, &Segment) {
+    fn location(&self, sample_id: u64) -> Result<(Location, &Segment)> {
         let segment = self.segment_of(sample_id);
-        (segment.index.location(sample_id - segment.first), segment)
+        let index = self.index(segment)?;
+        Ok((index.location(sample_id - segment.first), segment))
     }
 
     /// Record `sample_id`'s index entry and shard, not yet mapped.
@@ -290,7 +326,7 @@ impl CacheReader {
                 name: self.manifest.name.clone(),
             });
         }
-        let (loc, segment) = self.location(sample_id);
+        let (loc, segment) = self.location(sample_id)?;
         let shard = segment.shards.get(loc.shard as usize).ok_or_else(|| {
             Error::corrupt(
                 self.dir.join(&segment.index_file),
@@ -498,7 +534,7 @@ pub(crate) mod tests {
             let manifest = build(&sub, &recs, opts);
             let reader = CacheReader::open(&sub).unwrap();
             for i in 0..reader.len() {
-                let loc = reader.location(i).0;
+                let loc = reader.location(i).unwrap().0;
                 assert_eq!(loc.offset % alignment, 0);
                 let ptr = reader.record(i).unwrap().as_ptr() as u64;
                 assert_eq!(ptr % alignment, 0, "mapped record {i} misaligned");
@@ -534,10 +570,17 @@ pub(crate) mod tests {
         build(dir.path(), &recs, opts);
         let reader = CacheReader::open(dir.path()).unwrap();
         for i in [1, 3] {
-            assert_eq!(reader.location(i).0.offset % RECORD_ALIGN as u64, 0, "{i}");
+            assert_eq!(
+                reader.location(i).unwrap().0.offset % RECORD_ALIGN as u64,
+                0,
+                "{i}"
+            );
             assert_eq!(reader.record(i).unwrap(), &recs[i as usize][..]);
         }
-        assert_ne!(reader.location(4).0.offset % RECORD_ALIGN as u64, 0);
+        assert_ne!(
+            reader.location(4).unwrap().0.offset % RECORD_ALIGN as u64,
+            0
+        );
     }
 
     #[test]
@@ -580,7 +623,7 @@ pub(crate) mod tests {
         let shard = dir.path().join("shards/00000.bin");
         let mut bytes = std::fs::read(&shard).unwrap();
         let reader = CacheReader::open(dir.path()).unwrap();
-        let loc = reader.location(5).0;
+        let loc = reader.location(5).unwrap().0;
         drop(reader);
         bytes[loc.offset as usize] ^= 0xff;
         std::fs::write(&shard, &bytes).unwrap();
@@ -717,7 +760,7 @@ pub(crate) mod tests {
                 0
             );
         }
-        let loc = reader.location(5).0;
+        let loc = reader.location(5).unwrap().0;
         drop(reader);
         // A damaged length header: the checksum catches it, and a read without checking
         // fails to decode instead of returning wrong bytes.
@@ -756,10 +799,10 @@ pub(crate) mod tests {
     impl Fetcher for CopyFetcher {
         fn fetch(&self, file: &str) -> std::result::Result<(), crate::fetch::FetchError> {
             self.calls.lock().unwrap().push(file.to_string());
-            if self.fail {
-                return Err("the network is down".into());
-            }
             if !self.to.join(file).exists() {
+                if self.fail {
+                    return Err("the network is down".into());
+                }
                 std::fs::copy(self.from.join(file), self.to.join(file))?;
             }
             Ok(())
@@ -767,7 +810,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_cache_with_a_fetcher_maps_each_shard_on_first_read_and_asks_for_it_once() {
+    fn a_cache_with_a_fetcher_maps_each_file_on_first_use_and_asks_for_it_once() {
         let dir = tempfile::tempdir().unwrap();
         let remote = tempfile::tempdir().unwrap();
         let recs = records(200);
@@ -777,11 +820,13 @@ pub(crate) mod tests {
             ..WriteOptions::default()
         };
         let manifest = build(dir.path(), &recs, opts);
-        std::fs::rename(dir.path().join("shards"), remote.path().join("shards")).unwrap();
+        for moved in ["shards", "index.arrow"] {
+            std::fs::rename(dir.path().join(moved), remote.path().join(moved)).unwrap();
+        }
         std::fs::create_dir(dir.path().join("shards")).unwrap();
         assert!(
             CacheReader::open(dir.path()).is_err(),
-            "no fetcher: shards checked at open"
+            "no fetcher: files checked at open"
         );
 
         let fetcher = Arc::new(CopyFetcher {
@@ -797,15 +842,21 @@ pub(crate) mod tests {
             fetcher.calls.lock().unwrap().is_empty(),
             "opening fetched nothing"
         );
+        assert_eq!(reader.len(), 200, "the manifest says how many records");
+        assert!(fetcher.calls.lock().unwrap().is_empty());
         assert_eq!(reader.record(0).unwrap(), &recs[0][..]);
-        assert_eq!(*fetcher.calls.lock().unwrap(), vec!["shards/00000.bin"]);
+        assert_eq!(
+            *fetcher.calls.lock().unwrap(),
+            vec!["index.arrow", "shards/00000.bin"]
+        );
         for (i, r) in recs.iter().enumerate() {
             assert_eq!(&reader.copy_record(i as u64, true).unwrap(), r);
         }
         let mut calls = fetcher.calls.lock().unwrap().clone();
-        assert_eq!(calls.len(), manifest.shards.len(), "each shard once");
+        assert_eq!(calls.len(), 1 + manifest.shards.len(), "each file once");
+        calls.sort();
         calls.dedup();
-        assert_eq!(calls.len(), manifest.shards.len());
+        assert_eq!(calls.len(), 1 + manifest.shards.len());
         assert!(crate::fetch::unregister(dir.path()));
 
         // A fetcher's failure reaches the reader's caller, naming the shard.

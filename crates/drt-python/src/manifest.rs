@@ -36,6 +36,8 @@ pub struct PyManifest {
     files: Vec<(String, Option<String>)>,
     /// The payload shards, the parts' included: (relative path, size, xxh3-64 hex).
     shards: Vec<(String, u64, String)>,
+    /// The indexes, the build's then each part's: (relative path, size, xxh3-64 hex).
+    indexes: Vec<(String, u64, String)>,
     /// UTC creation time, RFC 3339.
     created_at: String,
     /// Number of payload shards, the parts' included.
@@ -76,6 +78,11 @@ impl From<&Manifest> for PyManifest {
                 .iter()
                 .flat_map(|s| s.shards)
                 .map(|f| (f.file.clone(), f.size, f.checksum.clone()))
+                .collect(),
+            indexes: m
+                .segments()
+                .iter()
+                .map(|s| (s.index.file.clone(), s.index.size, s.index.checksum.clone()))
                 .collect(),
             created_at: m.created_at.clone(),
             num_shards: m.segments().iter().map(|s| s.shards.len()).sum(),
