@@ -18,6 +18,7 @@ import pytest
 from helpers import FaultyProxy, python_child, record, same_record
 
 import dataset_rt as drt
+from dataset_rt import _native
 from dataset_rt.errors import (
     ArgumentError,
     CacheCorruptError,
@@ -206,6 +207,7 @@ def test_a_download_left_by_a_killed_process_is_never_trusted(
     code = f"""
 import os, signal
 import dataset_rt as drt
+from dataset_rt import _native
 from dataset_rt import objects
 cache = drt.open("rc", root={url!r}, storage_options={options!r}, local_dir={str(local)!r})
 real = objects.RemoteDir.download
@@ -312,6 +314,7 @@ def test_ranks_on_one_machine_fetch_each_shard_once_between_them(
     local = tmp_path / "node"
     code = f"""
 import dataset_rt as drt
+from dataset_rt import _native
 cache = drt.open("rc", root={url!r}, storage_options={through!r}, local_dir={str(local)!r})
 loader = cache.scan().drt.loader(batch_size=8, seed=2, rank=RANK, world_size=2, collate=list)
 print(sum(len(batch) for batch in loader))
@@ -348,6 +351,7 @@ def test_a_loader_left_early_stops_its_fetching_without_waiting_for_it(
     code = f"""
 import gc, time
 import dataset_rt as drt
+from dataset_rt import _native
 cache = drt.open("rc", root={url!r}, storage_options={through!r}, local_dir={str(tmp_path)!r})
 for _ in range(3):
     for batch in cache.scan().drt.loader(batch_size=16, seed=1, prefetch=8, collate=list):
@@ -403,6 +407,7 @@ def test_an_open_killed_midway_and_an_append_pushed_later_are_both_handled(
     code = f"""
 import os, signal
 import dataset_rt as drt
+from dataset_rt import _native
 from dataset_rt import fetch
 real = fetch._download_checked
 def die(*args, **kwargs):
@@ -438,3 +443,22 @@ def test_local_dir_is_for_remote_roots_and_eviction_spares_local_caches_under_it
     assert cache.get(5)["caption"] == "sample 5"
     assert _local_shards(mine) == before, "a local cache under local_dir is not a copy"
     assert drt.verify("mine", root=local, progress=False).ok
+
+
+def test_an_overwriting_build_leaves_only_its_own_objects(
+    url: str, bucket: str, s3: Any, options: dict[str, str]
+) -> None:
+    smaller = drt.cache(
+        _records(20),
+        "rc",
+        root=url,
+        shard_size=4 << 10,
+        storage_options=options,
+        overwrite=True,
+        progress=False,
+    )
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix="team/rc/")["Contents"]
+    keys = {o["Key"].removeprefix("team/rc/") for o in listed}
+    files = {file for file, _ in _native.read_manifest(smaller.path).files}
+    assert keys == files | {"manifest.json"}
+    assert len(drt.open("rc", root=url, storage_options=options)) == 20

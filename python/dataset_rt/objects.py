@@ -191,6 +191,15 @@ class RemoteDir:
                 raise self.error(path, exc) from exc
         return written
 
+    def paths(self) -> list[str]:
+        """The paths of every object under this directory, relative to it."""
+        import obstore
+
+        try:
+            return [meta["path"] for batch in obstore.list(self.store) for meta in batch]
+        except Exception as exc:
+            raise self.error("", exc) from exc
+
     def delete(self, path: str) -> None:
         """Deletes object ``path``."""
         import obstore

@@ -51,7 +51,8 @@ def push(
     uploads what changed (a new metadata version, say). Another build of ``name`` at the
     remote is replaced only with ``overwrite=True``: its manifest is deleted first, so that
     its readers, which fetch shards on demand, get
-    :class:`~dataset_rt.errors.StaleCacheError` rather than the new build's shards.
+    :class:`~dataset_rt.errors.StaleCacheError` rather than the new build's shards, and the
+    objects it had that the new build has not are deleted last.
 
     Raises
     ------
@@ -88,6 +89,12 @@ def push(
 
     fetch.in_parallel(manifest.files, upload, f"push {name}", progress)
     remote.upload("manifest.json", local / "manifest.json")
+    if existing is not None and remote_id != manifest.cache_id:
+        # What the replaced build had and this one has not (shards past its last, say).
+        kept = {file for file, _ in manifest.files} | {"manifest.json"}
+        for path in remote.paths():
+            if path not in kept:
+                remote.delete(path)
     return remote.url
 
 
