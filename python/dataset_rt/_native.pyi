@@ -60,8 +60,6 @@ def epoch_shards(
     *,
     seed: int,
     epoch: int,
-    first: int,
-    step: int,
 ) -> list[tuple[int, str, int]]: ...
 def relocate_part(part: str, old_dir: str, new_dir: str) -> str: ...
 def checked_metadata_table(

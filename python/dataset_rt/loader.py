@@ -367,8 +367,6 @@ class Loader:
             schedule,
             seed=spec.seed,
             epoch=self._epoch,
-            first=0,
-            step=1,
         )
         fetched = [(copies[code], file, batch) for code, file, batch in order if copies[code]]
         limits = [r.local_limit for r in spec.remotes if r is not None and r.local_limit]

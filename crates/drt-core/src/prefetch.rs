@@ -333,29 +333,35 @@ impl Source {
         })
     }
 
-    /// The shards that batches `numbers` read, in the order they are first needed, each
-    /// once: `(cache, file, batch)`, with `file` relative to cache `cache`'s directory and
-    /// `batch` the first batch reading it. Reads the plan and the indexes only, so it serves
-    /// to fetch a remote cache's shards ahead of the batches that read them.
-    pub fn shards_in_order(
-        &self,
-        numbers: impl Iterator<Item = u64>,
-    ) -> Result<Vec<(u32, String, u64)>> {
+    /// The shards this rank's batches read, in the order they are first needed, each once:
+    /// `(cache, file, batch)`, with `file` relative to cache `cache`'s directory and `batch`
+    /// the first batch reading it. Reads the plan and the indexes only, so it serves to
+    /// fetch a remote cache's shards ahead of the batches that read them.
+    pub fn shards_in_order(&self) -> Result<Vec<(u32, String, u64)>> {
         let mut seen = std::collections::HashSet::new();
         let mut order = Vec::new();
-        for number in numbers {
+        for number in 0..self.schedule.num_batches() {
             for position in self.schedule.batch_positions(number) {
-                let (cache, sample_id) = self.plan.sample(self.plan.row_at(self.random, position));
-                let reader = self.caches.get(cache as usize).ok_or_else(|| {
-                    Error::Internal(format!("cache code {cache} has no open cache"))
-                })?;
-                let file = reader.shard_file(sample_id)?;
+                let (cache, sample_id) = self.draw(position);
+                let file = self.reader(cache)?.shard_file(sample_id)?;
                 if seen.insert((cache, file)) {
                     order.push((cache, file.to_string(), number));
                 }
             }
         }
         Ok(order)
+    }
+
+    /// The (cache, sample id) drawn at `position` of the epoch.
+    fn draw(&self, position: u64) -> (u32, u64) {
+        self.plan.sample(self.plan.row_at(self.random, position))
+    }
+
+    /// The reader of cache `cache` of the plan.
+    fn reader(&self, cache: u32) -> Result<&CacheReader> {
+        self.caches
+            .get(cache as usize)
+            .ok_or_else(|| Error::Internal(format!("cache code {cache} has no open cache")))
     }
 
     /// Reads batch `number` of the schedule. A mapped file that shrank meanwhile (SIGBUS)
@@ -378,17 +384,13 @@ impl Source {
         let mut batch = Batch::default();
         batch.number = number;
         for position in self.schedule.batch_positions(number) {
-            let (cache, sample_id) = self.plan.sample(self.plan.row_at(self.random, position));
+            let (cache, sample_id) = self.draw(position);
             batch.caches.push(cache);
             batch.sample_ids.push(sample_id);
         }
         let mut spans = Vec::with_capacity(batch.len());
         for (&cache, &sample_id) in batch.caches.iter().zip(&batch.sample_ids) {
-            let reader = self
-                .caches
-                .get(cache as usize)
-                .ok_or_else(|| Error::Internal(format!("cache code {cache} has no open cache")))?;
-            spans.push(reader.span(sample_id, self.verify)?);
+            spans.push(self.reader(cache)?.span(sample_id, self.verify)?);
         }
         batch.recycle = Recycle(Some(self.recycler.clone()));
         batch.gather(spans, self.views.as_deref(), |capacity| {

@@ -39,12 +39,11 @@ pub fn unregister_fetcher(path: PathBuf) -> bool {
     drt_core::fetch::unregister(&path)
 }
 
-/// The shards that batches `first, first + step, ...` of `schedule` read, in the order they
-/// are first needed, each once: `(cache, file, batch)`, `file` relative to
-/// `cache_dirs[cache]`, `batch` the first batch that reads it.
+/// The shards that the batches of `schedule` read, in the order they are first needed, each
+/// once: `(cache, file, batch)`, `file` relative to `cache_dirs[cache]`, `batch` the first
+/// batch that reads it.
 #[pyfunction]
-#[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, *, seed, epoch, first, step))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, *, seed, epoch))]
 pub fn epoch_shards(
     py: Python<'_>,
     plan_path: PathBuf,
@@ -53,8 +52,6 @@ pub fn epoch_shards(
     schedule: &PySchedule,
     seed: u64,
     epoch: u64,
-    first: u64,
-    step: u64,
 ) -> PyResult<Vec<(u32, String, u64)>> {
     let schedule = schedule.inner;
     let options = SourceOptions {
@@ -65,6 +62,6 @@ pub fn epoch_shards(
     };
     run(py, || {
         let source = Source::open(&plan_path, &cache_dirs, &cache_ids, schedule, options)?;
-        source.shards_in_order((first..schedule.num_batches()).step_by(step.max(1) as usize))
+        source.shards_in_order()
     })
 }
