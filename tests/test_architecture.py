@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGE = REPO / "python" / "dataset_rt"
+PACKAGE = REPO / "dataset_rt"
 CRATES = {
     "drt-core": REPO / "crates" / "drt-core",
     "drt-python": REPO / "crates" / "drt-python",
-    "drt-polars": REPO / "crates" / "drt-polars",
+    "drt-polars": REPO / "polars_plugin",
 }
 
 

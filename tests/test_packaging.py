@@ -148,9 +148,9 @@ def test_the_sdist_holds_everything_a_source_build_needs(tmp_path: Path) -> None
         "pyproject.toml",
         "crates/drt-core/src/lib.rs",
         "crates/drt-python/src/lib.rs",
-        "crates/drt-polars/src/lib.rs",
-        "python/dataset_rt/__init__.py",
-        "python/dataset_rt/_native.pyi",
-        "python/dataset_rt/py.typed",
+        "polars_plugin/src/lib.rs",
+        "dataset_rt/__init__.py",
+        "dataset_rt/_native.pyi",
+        "dataset_rt/py.typed",
     ):
         assert needed in names, f"{needed} is missing from {sdist.name}"

@@ -82,5 +82,5 @@ def test_this_run_is_on_the_polars_of_its_end_of_the_range() -> None:
 def test_this_run_imports_the_installed_wheel_not_the_checkout() -> None:
     import dataset_rt
 
-    assert not Path(dataset_rt.__file__).resolve().is_relative_to(REPO / "python")
+    assert not Path(dataset_rt.__file__).resolve().is_relative_to(REPO / "dataset_rt")
     assert "site-packages" in Path(dataset_rt.__file__).parts
