@@ -255,6 +255,35 @@ def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str
     return frame.with_columns(ids.cast(pl.Int64), weight)
 
 
+def link_columns(frame: pl.DataFrame) -> tuple[pl.Series, pl.Series]:
+    """The frame's ``cache_id`` as strings and ``sample_id`` as Int64 (or UInt64).
+
+    Raises
+    ------
+    MetadataError
+        A column is missing, of another dtype (the message names it), or holds a null.
+    """
+    missing = [c for c in ("cache_id", "sample_id") if c not in frame.columns]
+    if missing:
+        raise MetadataError(
+            f"the frame lacks the column(s) {missing}: cache_id and sample_id link rows to "
+            "their records"
+        )
+    cache_ids, ids = frame["cache_id"], frame["sample_id"]
+    if cache_ids.dtype not in (pl.String, pl.Categorical, pl.Null) and not isinstance(
+        cache_ids.dtype, pl.Enum
+    ):
+        raise MetadataError(f"column 'cache_id' must hold strings, not {cache_ids.dtype}")
+    if not ids.dtype.is_integer():
+        raise MetadataError(f"column 'sample_id' must hold integers, not {ids.dtype}")
+    for column in (cache_ids, ids):
+        if column.null_count():
+            raise MetadataError(f"column {column.name!r} holds nulls; every row needs one")
+    if ids.dtype not in (pl.Int64, pl.UInt64):
+        ids = ids.cast(pl.Int64)  # Int128 ids beyond the Int64 range fail here, by name
+    return cache_ids.cast(pl.String), ids
+
+
 def check_weights(weight: pl.Series, ids: pl.Series, *, allow_empty: bool = False) -> pl.Series:
     """Checks sampling weights; returns them as Float64. Errors name the sample_id.
 

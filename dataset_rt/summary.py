@@ -10,6 +10,7 @@ import polars as pl
 from dataset_rt import plugins
 from dataset_rt.caches import open_by_id
 from dataset_rt.errors import ArgumentError
+from dataset_rt.metadata import link_columns
 from dataset_rt.roots import PathLike
 
 __all__ = ["plot", "records", "summary"]
@@ -77,6 +78,8 @@ def records(frame: pl.LazyFrame, n: int = 5, *, root: PathLike | None = None) ->
     """The decoded records behind the first ``n`` rows, in row order."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ArgumentError(f"n must be a non-negative integer, got {n!r}")
-    rows = frame.select("cache_id", "sample_id").head(n).collect()
-    caches = {cid: open_by_id(cid, root) for cid in rows["cache_id"].unique().to_list()}
-    return [caches[cid].get(sid) for cid, sid in rows.iter_rows()]
+    names = frame.collect_schema().names()
+    links = [c for c in ("cache_id", "sample_id") if c in names]
+    cache_ids, ids = link_columns(frame.select(links).head(n).collect())
+    caches = {cid: open_by_id(cid, root) for cid in cache_ids.unique().to_list()}
+    return [caches[cid].get(sid) for cid, sid in zip(cache_ids, ids, strict=True)]

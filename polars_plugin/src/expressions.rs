@@ -11,17 +11,67 @@ fn compute_err(err: drt_core::Error) -> PolarsError {
     polars_err!(ComputeError: "{err}")
 }
 
+// Output types are computed by functions (`output_type_func`), not declared with
+// `output_type=`: the macro wraps only the former in `catch_unwind`, and a panic while Polars
+// plans a query (an input dtype the FFI import cannot take) would otherwise abort Python.
+// The same functions refuse unusable input dtypes by column and dtype before any row is read.
+
+/// Whether a weight column of this dtype can be read as Float64.
+fn numeric(dtype: &DataType) -> bool {
+    dtype.is_primitive_numeric() || dtype.is_decimal() || dtype.is_null()
+}
+
+/// The first input field, refused unless `accept` takes its dtype (an extension dtype is
+/// judged by its storage, which is what the expressions read).
+fn first_input<'a>(
+    fields: &'a [Field],
+    what: &str,
+    accept: fn(&DataType) -> bool,
+    wanted: &str,
+) -> PolarsResult<&'a Field> {
+    let field = fields
+        .first()
+        .ok_or_else(|| polars_err!(ComputeError: "{what} needs an input column"))?;
+    polars_ensure!(
+        accept(&field.dtype().to_storage()),
+        ComputeError: "{what} column {} must be {wanted}, not {}", quote(field.name()), field.dtype()
+    );
+    Ok(field)
+}
+
+fn weight_to_f64(fields: &[Field]) -> PolarsResult<Field> {
+    let field = first_input(fields, "weight", numeric, "numeric")?;
+    Ok(Field::new(field.name().clone(), DataType::Float64))
+}
+
+fn weight_to_i64(fields: &[Field]) -> PolarsResult<Field> {
+    let field = first_input(fields, "weight", numeric, "numeric")?;
+    Ok(Field::new(field.name().clone(), DataType::Int64))
+}
+
+fn groups_to_f64(fields: &[Field]) -> PolarsResult<Field> {
+    let field = first_input(fields, "balance group", |_| true, "any")?;
+    Ok(Field::new(field.name().clone(), DataType::Float64))
+}
+
+fn ids_to_string(fields: &[Field]) -> PolarsResult<Field> {
+    let ids = |dtype: &DataType| dtype.is_integer() || dtype.is_string() || dtype.is_null();
+    let field = first_input(fields, "split id", ids, "integers or strings")?;
+    Ok(Field::new(field.name().clone(), DataType::String))
+}
+
 /// Casts a numeric weight column to Float64, refusing other types by name.
 fn weights_f64(s: &Series) -> PolarsResult<Float64Chunked> {
+    let s = s.to_storage();
     polars_ensure!(
-        s.dtype().is_primitive_numeric() || s.dtype().is_null(),
+        numeric(s.dtype()),
         ComputeError: "weight column {} must be numeric, not {}", quote(s.name()), s.dtype()
     );
     Ok(s.cast(&DataType::Float64)?.f64()?.clone())
 }
 
 /// Probabilities proportional to the weights: `pl.col("weight").drt.normalize()`.
-#[polars_expr(output_type=Float64)]
+#[polars_expr(output_type_func=weight_to_f64)]
 fn normalize(inputs: &[Series]) -> PolarsResult<Series> {
     let s = &inputs[0];
     let weights = weights_f64(s)?;
@@ -30,7 +80,7 @@ fn normalize(inputs: &[Series]) -> PolarsResult<Series> {
 }
 
 /// Kish's effective sample size of a weight column, as a one-row aggregation.
-#[polars_expr(output_type=Float64)]
+#[polars_expr(output_type_func=weight_to_f64)]
 fn effective_size(inputs: &[Series]) -> PolarsResult<Series> {
     let s = &inputs[0];
     let weights = weights_f64(s)?;
@@ -45,7 +95,12 @@ fn group_ids(keys: &[Series]) -> PolarsResult<(Vec<u32>, usize)> {
     let columns = keys
         .iter()
         .zip(&names)
-        .map(|(s, name)| s.clone().with_name(name.as_str().into()).into_column())
+        .map(|(s, name)| {
+            s.to_storage()
+                .clone()
+                .with_name(name.as_str().into())
+                .into_column()
+        })
         .collect();
     let frame = DataFrame::new(height, columns)?;
     let grouped = frame.group_by_stable(&names)?;
@@ -72,7 +127,7 @@ struct BalanceKwargs {
 
 /// Weights that equalise the groups formed by the key columns (`power = 1`), or temper
 /// them (`0 < power < 1`); see `drt_core::weights::balance`.
-#[polars_expr(output_type=Float64)]
+#[polars_expr(output_type_func=groups_to_f64)]
 fn balance(inputs: &[Series], kwargs: BalanceKwargs) -> PolarsResult<Series> {
     let (keys, base) = match (kwargs.weighted, inputs.split_last()) {
         (true, Some((base, keys))) => (keys, Some(base)),
@@ -102,9 +157,9 @@ struct SplitKwargs {
 }
 
 /// The split every id falls into, by a stable hash of the id; see `drt_core::split`.
-#[polars_expr(output_type=String)]
+#[polars_expr(output_type_func=ids_to_string)]
 fn split(inputs: &[Series], kwargs: SplitKwargs) -> PolarsResult<Series> {
-    let s = &inputs[0];
+    let s = inputs[0].to_storage();
     polars_ensure!(
         kwargs.names.len() == kwargs.fractions.len(),
         ComputeError: "{} split names for {} fractions", kwargs.names.len(), kwargs.fractions.len()
@@ -124,6 +179,7 @@ fn split(inputs: &[Series], kwargs: SplitKwargs) -> PolarsResult<Series> {
             .iter()
             .map(|v| v.map(|v| name_of(hash_int(v, seed))))
             .collect(),
+        DataType::Null => StringChunked::full_null(s.name().clone(), s.len()),
         DataType::String => s
             .str()?
             .iter()
@@ -166,7 +222,7 @@ fn table_and_random(
 
 /// How many times each row is drawn in an epoch of `n` weighted draws with replacement:
 /// exactly the draws a loader with the same seed and epoch makes.
-#[polars_expr(output_type=Int64)]
+#[polars_expr(output_type_func=weight_to_i64)]
 fn draws(inputs: &[Series], kwargs: DrawKwargs) -> PolarsResult<Series> {
     let s = &inputs[0];
     let (table, random, n) = table_and_random(s, &kwargs)?;
@@ -176,7 +232,7 @@ fn draws(inputs: &[Series], kwargs: DrawKwargs) -> PolarsResult<Series> {
 }
 
 /// The row drawn at every position of an epoch of `n` draws, in draw order.
-#[polars_expr(output_type=Int64)]
+#[polars_expr(output_type_func=weight_to_i64)]
 fn draw_rows(inputs: &[Series], kwargs: DrawKwargs) -> PolarsResult<Series> {
     let s = &inputs[0];
     let (table, random, n) = table_and_random(s, &kwargs)?;
