@@ -65,6 +65,8 @@ class Cache:
         self._reader = reader
         self._root = root
         self._manifest = reader.manifest
+        if decode is not None:
+            registry.remember_decoder(self._manifest.cache_id, decode)
         self._decode = decode if decode is not None else decoder_for(self._manifest.serializer)
         self._metadata: tuple[int, pl.DataFrame] | None = None
 
@@ -682,6 +684,8 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: drt.open(name)
 def open_by_id(cache_id: str, root: PathLike | None = None) -> Cache:
     """Opens the cache whose build has id ``cache_id`` (see :func:`registry.locate`).
 
+    It decodes with the ``decode=`` this process last opened or built that cache with.
+
     Raises
     ------
     CacheNotFoundError
@@ -689,7 +693,7 @@ def open_by_id(cache_id: str, root: PathLike | None = None) -> Cache:
         this process, or the default root.
     """
     reader, root_path = registry.locate(cache_id, root)
-    return Cache(reader, root_path)
+    return Cache(reader, root_path, registry.decoder_of(cache_id))
 
 
 def list_caches(

@@ -25,7 +25,7 @@ from dataset_rt.errors import (
     MetadataError,
     SerializationError,
 )
-from dataset_rt.metadata import check_weights
+from dataset_rt.metadata import check_weights, link_columns
 from dataset_rt.pipeline import Collate, LoaderSpec, Transform, assemble
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
@@ -120,10 +120,12 @@ class Loader:
     """Batches of decoded records drawn from a metadata frame; see ``df.drt.loader``.
 
     A loader snapshots its frame when built: later edits of the frame or of the cache's
-    metadata do not change it. Iterating yields this rank's batches of the current epoch,
-    from where the last iteration (or :meth:`load_state_dict`) left off; iterating again
-    after an epoch ended moves on to the next epoch, so every pass draws anew even where
-    nothing calls :meth:`set_epoch` (PyTorch Lightning, a loop that forgets it).
+    metadata do not change it. Iterating a shuffled loader yields this rank's batches of the
+    current epoch, from where the last iteration (or :meth:`load_state_dict`) left off;
+    iterating again after an epoch ended moves on to the next epoch, so every pass draws anew
+    even where nothing calls :meth:`set_epoch` (PyTorch Lightning, a loop that forgets it).
+    An evaluation loader (``shuffle=False``) reads every row on every pass: each ``iter()``
+    starts at the first row, unless :meth:`load_state_dict` was called just before it.
 
     Parameters
     ----------
@@ -254,6 +256,9 @@ class Loader:
             self._packed = pack(self._spec)
         self._epoch = 0
         self._cursor = 0
+        # Set by load_state_dict: the next iteration continues from the loaded position,
+        # even for an evaluation loader, which otherwise starts over at every iter().
+        self._resuming = False
         self._stats = LoaderStats()
 
     def _write_plan(
@@ -314,12 +319,7 @@ class Loader:
                 "the frame has no rows (a filter removed them all, or its cache is empty): "
                 "there is nothing to load"
             )
-        cache_ids = data["cache_id"].cast(pl.String)
-        ids = data["sample_id"]
-        if cache_ids.null_count() or not ids.dtype.is_integer() or ids.null_count():
-            raise MetadataError("cache_id must be non-null strings and sample_id non-null integers")
-        if ids.dtype not in (pl.Int64, pl.UInt64):
-            ids = ids.cast(pl.Int64)
+        cache_ids, ids = link_columns(data)
         first = cache_ids[0]
         columns: dict[str, pl.Series] = {"sample_id": ids}
         if (cache_ids == first).all():
@@ -460,13 +460,19 @@ class Loader:
                 )
         self._epoch = _check_int("epoch", state["epoch"], 0, 2**63 - 1)
         self._cursor = _check_int("position", state["position"], 0, self._total)
+        self._resuming = True
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        resuming, self._resuming = self._resuming, False
         if self._cursor >= self._total:
             # A finished epoch moves on to the next one, as a shuffling PyTorch DataLoader
             # draws a new order on every pass: epoch e's state at its end resumes in e + 1.
             self._epoch += 1
+            self._cursor = 0
+        elif not self._shuffle and not resuming:
+            # An evaluation pass reads every row: one that stopped early (Lightning's sanity
+            # check takes two batches) is not continued by the next iter(), which starts over.
             self._cursor = 0
         schedule = self._schedule(self._cursor)
         if self._num_workers == 0:

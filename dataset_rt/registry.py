@@ -20,7 +20,15 @@ from dataset_rt import _native
 from dataset_rt.errors import CacheCorruptError, CacheNotFoundError
 from dataset_rt.roots import PathLike, default_root, resolve_root, root_url
 
-__all__ = ["forget_root", "locate", "open_reader", "remember_version", "saved_version"]
+__all__ = [
+    "decoder_of",
+    "forget_root",
+    "locate",
+    "open_reader",
+    "remember_decoder",
+    "remember_version",
+    "saved_version",
+]
 
 # Reentrant: a frame's weakref callback may run (and take it) during a collection that
 # happens while this thread holds it.
@@ -29,6 +37,8 @@ _places: dict[str, tuple[Path, str]] = {}  # cache_id -> (root, name)
 _roots: dict[Path, None] = {}  # roots seen, in order
 # id(LazyFrame) -> (a weak reference to it, the cache, the metadata version it scans)
 _versions: dict[int, tuple[weakref.ref[Any], Any, int]] = {}
+# cache_id -> the decode= its last Cache in this process was opened or built with
+_decoders: dict[str, Any] = {}
 
 
 def open_reader(root: Path, name: str) -> _native.CacheReader:
@@ -93,6 +103,22 @@ def locate(cache_id: str, root: PathLike | None = None) -> tuple[_native.CacheRe
         )
     root_path, name = found
     return open_reader(root_path, name), root_path
+
+
+def remember_decoder(cache_id: str, decode: Any) -> None:
+    """Records the ``decode=`` a cache was opened with, for loaders over its frames.
+
+    A frame carries only ``cache_id``: a loader built from ``cache.metadata`` reopens the
+    cache by id and decodes with the decoder its ``Cache`` had (the latest one given).
+    """
+    with _lock:
+        _decoders[cache_id] = decode
+
+
+def decoder_of(cache_id: str) -> Any:
+    """The ``decode=`` last given for ``cache_id`` in this process, or None."""
+    with _lock:
+        return _decoders.get(cache_id)
 
 
 def forget_root(root: Path) -> None:

@@ -103,3 +103,33 @@ def _epoch_loader(frame: pl.DataFrame, epoch: int) -> Any:
     loader = frame.drt.loader(batch_size=32, seed=5)
     loader.set_epoch(epoch)
     return loader
+
+
+class Validator(Recorder):
+    """Records the sample ids of every validation batch, per validation pass."""
+
+    def __init__(self, frame: pl.DataFrame, num_workers: int) -> None:
+        super().__init__(frame, num_workers)
+        self.passes: list[list[int]] = []
+
+    def val_dataloader(self) -> Any:
+        return self.frame.drt.loader(batch_size=32, shuffle=False, num_workers=self.num_workers)
+
+    def on_validation_epoch_start(self) -> None:
+        self.passes.append([])
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.passes[-1].extend(int(v) for v in batch["x"][:, 0])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_validation_pass_reads_every_row_after_the_sanity_check(
+    frame: pl.DataFrame, num_workers: int, tmp_path: Path
+) -> None:
+    model = Validator(frame, num_workers)
+    _trainer(tmp_path, num_sanity_val_steps=2).fit(model)
+    sanity, *passes = model.passes
+    assert sanity == list(range(64)), "the sanity check takes the first two batches"
+    assert len(passes) == EPOCHS
+    for seen in passes:
+        assert seen == list(range(300)), "each validation scores the whole set, in order"

@@ -77,6 +77,26 @@ def test_shuffle_false_reads_every_row_once_in_frame_order(cache: drt.Cache) -> 
         frame.drt.loader(batch_size=7, shuffle=False, num_samples=10)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_pass_of_an_evaluation_loader_reads_every_row(
+    cache: drt.Cache, num_workers: int
+) -> None:
+    loader = cache.metadata.drt.loader(
+        batch_size=32, shuffle=False, collate=list, num_workers=num_workers
+    )
+    every = list(range(300))
+    partial = iter(loader)
+    assert ids_of([next(partial), next(partial)]) == every[:64]
+    del partial  # a pass stopped early, as Lightning's sanity check does
+    assert ids_of(list(loader)) == every, "the next pass starts over"
+    assert ids_of(list(loader)) == every
+    # A loaded state is continued once, then passes start over again.
+    state = {**loader.state_dict(), "position": 96}
+    loader.load_state_dict(state)
+    assert ids_of(list(loader)) == every[96:]
+    assert ids_of(list(loader)) == every
+
+
 def test_weighted_draws_follow_the_weights_and_skip_zero(cache: drt.Cache) -> None:
     weights = {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
     frame = cache.metadata.with_columns(weight=pl.col("label").replace_strict(weights) * 1.0)
@@ -397,6 +417,19 @@ def test_a_rebuilt_cache_fails_loudly(cache: drt.Cache) -> None:
         next(iter(loader))
     with pytest.raises(drt.errors.CacheNotFoundError, match="no cache with cache_id"):
         frame.drt.loader(batch_size=10)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_loader_decodes_with_the_decoder_its_cache_was_opened_with(num_workers: int) -> None:
+    def encode(r: int) -> bytes:
+        return str(r).encode()
+
+    drt.cache(range(20), "custom-decoded", serializer=encode, progress=False)
+    with pytest.raises(SerializationError, match="pass decode="):
+        drt.open("custom-decoded").metadata.drt.loader(batch_size=5)
+    frame = drt.open("custom-decoded", decode=lambda b: -int(b)).metadata
+    loader = frame.drt.loader(batch_size=5, shuffle=False, collate=list, num_workers=num_workers)
+    assert [r for batch in loader for r in batch] == [-i for i in range(20)]
 
 
 def test_decode_and_transform_errors_name_the_sample(cache: drt.Cache) -> None:
