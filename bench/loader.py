@@ -234,7 +234,11 @@ def scale_points(sizes: list[int], rounds: int) -> None:
             for _ in range(rounds + 1):
                 code = STARTUP.format(name=name, root=str(ROOT), frame=frame)
                 out = subprocess.run(
-                    [sys.executable, "-c", code], capture_output=True, text=True, check=True
+                    [sys.executable, "-c", code],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=ROOT,  # python -c puts its working directory first on sys.path
                 )
                 a, b = (float(x) for x in out.stdout.split())
                 imports.append(a)
@@ -250,7 +254,7 @@ def scale_points(sizes: list[int], rounds: int) -> None:
         for workers in (0, 1, 2):
             code = MEMORY.format(name=name, root=str(ROOT), workers=workers)
             out = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
             )
             pss, priv, kids = [*out.stdout.strip().split(" "), ""][:3]
             kid_list = [tuple(int(v) for v in k.split(",")) for k in kids.split(";") if k]

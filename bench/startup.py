@@ -1,6 +1,13 @@
-"""Start-up at scale (docs/design.md P3): a fresh process's first batch, 1M to 100M samples.
+"""Start-up (docs/design.md P3): a fresh interpreter's first batch, side by side with the
+NumPy mmap-offsets reader, and a fresh process's first batch from 1M to 100M samples.
 
-For each size, builds a cache of that many 8-byte records once, then times in fresh
+First, side by side: 50,000 small records (a 3x32x32 uint8 image and a label), written once
+as a cache and once as the baseline's flat file of pickles with a NumPy offsets array; each
+child interpreter is timed from its launch to its first batch of 256 random draws. The
+dataset_rt children also report how long ``import polars`` and the rest of ``import
+dataset_rt`` took. The target is the baseline + 0.1 s.
+
+Then, for each size, builds a cache of that many 8-byte records once, then times in fresh
 processes (warm page cache) ``import dataset_rt`` and open + loader + first batch, with the
 loader made from ``cache.metadata`` (the table is read and a plan built) and from
 ``cache.scan()`` (the plan saved with the version is mapped), and prints the process's RSS,
@@ -13,11 +20,14 @@ PSS and anonymous memory after the first batch. Medians of --rounds runs after a
 from __future__ import annotations
 
 import argparse
+import pickle
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 import dataset_rt as drt
 
@@ -38,8 +48,78 @@ print(t1 - t0, t2 - t1, memory["Rss"], memory["Pss"], memory["Anonymous"])
 """
 
 
+FIRST_BATCH = """
+import time
+t0 = time.time()
+import polars
+t1 = time.time()
+import dataset_rt as drt
+t2 = time.time()
+cache = drt.open("side-by-side", root={root!r})
+next(iter(cache.{frame}.drt.loader(batch_size=256, seed=0, collate=list)))
+print(time.time(), t1 - t0, t2 - t1)
+"""
+
+BASELINE = """
+import mmap, pickle, time
+import numpy as np
+with open({flat!r}, "rb") as f:
+    records = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+offsets = np.load({offsets!r})
+draws = np.random.default_rng(0).integers(0, len(offsets) - 1, 256)
+batch = [pickle.loads(records[offsets[i] : offsets[i + 1]]) for i in draws.tolist()]
+print(time.time(), 0, 0)
+"""
+
+
 def identity(record: bytes) -> bytes:
     return record
+
+
+def small_record(i: int) -> dict[str, object]:
+    return {"image": np.full((3, 32, 32), i % 256, dtype=np.uint8), "label": i % 10}
+
+
+def side_by_side(root: str, n: int, rounds: int) -> None:
+    """Fresh interpreter to first batch: dataset_rt against the mmap-offsets baseline."""
+    drt.cache((small_record(i) for i in range(n)), "side-by-side", root=root, progress=False)
+    flat, offsets = f"{root}/baseline.bin", f"{root}/offsets.npy"
+    ends = [0]
+    with open(flat, "wb") as out:
+        for i in range(n):
+            ends.append(ends[-1] + out.write(pickle.dumps(small_record(i), protocol=5)))
+    np.save(offsets, np.array(ends, dtype=np.int64))
+
+    def launch(code: str) -> list[float]:
+        start = time.time()
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+        )
+        first, *imports = (float(x) for x in done.stdout.split())
+        return [first - start, *imports]
+
+    children = {
+        "baseline (mmap offsets)": BASELINE.format(flat=flat, offsets=offsets),
+        "dataset_rt, cache.scan()": FIRST_BATCH.format(root=root, frame="scan()"),
+        "dataset_rt, cache.metadata": FIRST_BATCH.format(root=root, frame="metadata"),
+    }
+    # Interleaved rounds, so that a slow moment of the machine hits every child alike.
+    times: dict[str, list[list[float]]] = {name: [] for name in children}
+    for _ in range(rounds + 1):
+        for name, code in children.items():
+            times[name].append(launch(code))
+    print(f"== fresh interpreter to its first batch, {n:,} small records, side by side ==")
+    base = statistics.median(r[0] for r in times["baseline (mmap offsets)"][1:])
+    for name, runs in times.items():
+        first, polars, own = (statistics.median(r[i] for r in runs[1:]) for i in range(3))
+        line = f"  {name:<27} {first * 1000:5.0f} ms"
+        if polars:
+            line += (
+                f" (+{(first - base) * 1000:.0f} ms; import polars {polars * 1000:.0f} ms, "
+                f"the rest of import dataset_rt {own * 1000:.0f} ms)"
+            )
+        print(line)
+    print("  target: the baseline + 100 ms")
 
 
 def main() -> None:
@@ -52,6 +132,7 @@ def main() -> None:
     rounds = 1 if args.smoke else args.rounds
     print(f"machine: Python {sys.version.split()[0]}, dataset_rt {drt.__version__}")
     with tempfile.TemporaryDirectory(prefix="drt-bench-startup-") as root:
+        side_by_side(root, 2_000 if args.smoke else 50_000, max(rounds, 1 if args.smoke else 5))
         for n in sizes:
             start = time.perf_counter()
             drt.cache(
@@ -68,7 +149,11 @@ def main() -> None:
                     [
                         float(x)
                         for x in subprocess.run(
-                            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+                            [sys.executable, "-c", code],
+                            capture_output=True,
+                            text=True,
+                            check=True,
+                            cwd=root,  # python -c puts its working directory on sys.path
                         ).stdout.split()
                     ]
                     for _ in range(rounds + 1)

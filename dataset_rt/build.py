@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import multiprocessing.process
 import os
 import shutil
-import signal
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import cloudpickle
 import polars as pl
 
 from dataset_rt import _native, registry, roots
@@ -28,10 +24,13 @@ from dataset_rt.errors import (
     WorkerError,
 )
 from dataset_rt.metadata import MetadataCollector
-from dataset_rt.processes import SpawnContext
 from dataset_rt.progress import BuildProgress
 from dataset_rt.roots import PathLike, resolve_root, root_url
 from dataset_rt.serialize import Decoder, SerializerSpec, as_bytes, resolve_serializer
+
+if TYPE_CHECKING:  # parallel builds only: imported when one starts, not with the package
+    import multiprocessing.process
+    from multiprocessing.connection import Connection
 
 __all__ = ["append", "cache"]
 
@@ -670,6 +669,8 @@ class _Worker:
         code = self.process.exitcode
         if code is None or code == 0:
             return None
+        import signal
+
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
         return WorkerError(
             f"the process writing records {self.lo} to {self.hi - 1} died ({how}); "
@@ -774,6 +775,10 @@ def _write_shares(
     """
     n = len(source)
     bounds = [n * j // procs for j in range(procs + 1)]
+    import cloudpickle
+
+    from dataset_rt.processes import SpawnContext
+
     ser_name, dumps = resolve_serializer(options.serializer)
     context = SpawnContext()
     for j in range(1, procs):
@@ -831,6 +836,8 @@ def _write_part(
     results: Connection,
 ) -> None:
     """A parallel build's worker: writes its share of the records as one part."""
+    import cloudpickle
+
     try:
         (source, start, stop, base), serializer, metadata = cloudpickle.loads(payload)
         ser_name, dumps = resolve_serializer(serializer)

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import html
 import operator
 import os
 import pickle
 import re
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from dataset_rt import _native, fetch, objects, registry, roots
+from dataset_rt import _native, registry, roots
 from dataset_rt.errors import (
     ArgumentError,
     CacheCorruptError,
@@ -33,9 +33,13 @@ from dataset_rt.roots import PathLike, resolve_root, root_url
 from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for
 from dataset_rt.verify import VerifyReport, verify
 
+if TYPE_CHECKING:
+    from dataset_rt.fetch import LocalCopy
+
 __all__ = [
     "Cache",
     "list_caches",
+    "local_copy",
     "manifest_rows",
     "open",
     "open_by_id",
@@ -43,6 +47,16 @@ __all__ = [
     "saved_plan",
     "write_version_plan",
 ]
+
+
+def local_copy(path: Path | str) -> LocalCopy | None:
+    """The local copy of the remote cache whose directory is ``path``; None for a local cache.
+
+    :mod:`dataset_rt.fetch` holds the copies: until a remote cache is opened it is not even
+    imported (it brings sockets, thread pools and obstore), so local work never pays for it.
+    """
+    fetch = sys.modules.get("dataset_rt.fetch")
+    return None if fetch is None else fetch.copy_for(path)
 
 
 class Cache:
@@ -89,7 +103,7 @@ class Cache:
     @property
     def url(self) -> str | None:
         """The object-storage URL the cache was opened from; None for a cache on disk."""
-        copy = fetch.copy_for(self.path)
+        copy = local_copy(self.path)
         return None if copy is None else copy.remote.url
 
     @property
@@ -352,7 +366,7 @@ class Cache:
             return None
         path = self.path / _native.plan_file(version)
         try:
-            copy = fetch.copy_for(self.path)
+            copy = local_copy(self.path)
             if copy is not None:  # a remote cache's plan is fetched when a loader needs it
                 copy.fetch(_native.plan_file(version))
             rows, caches, weighted = _native.plan_rows(path)
@@ -488,7 +502,7 @@ class Cache:
         cache's shards are fetched first (each checked as it arrives), then its copy is read;
         they must fit in its ``local_limit``.
         """
-        copy = fetch.copy_for(self.path)
+        copy = local_copy(self.path)
         if copy is not None:
             limit = copy.source.local_limit
             if limit is not None and self.nbytes_on_disk > limit:
@@ -526,6 +540,8 @@ class Cache:
         )
 
     def _repr_html_(self) -> str:
+        import html
+
         rows = "".join(
             f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
             f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
@@ -670,6 +686,8 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: drt.open(name)
         ):
             raise ArgumentError(f"local_limit must be a number of bytes >= 0, got {local_limit!r}")
         local = roots.local_dir(local_dir)
+        from dataset_rt import fetch
+
         source = fetch.sync(url, name, storage_options, local, local_limit)
         source.attach()  # before the reader opens: it fetches its shards through it
         return Cache(registry.open_reader(source.root, name), source.root, decode)
@@ -712,6 +730,8 @@ def list_caches(
     url = root_url(root)
     if url is not None:
         remote = []
+        from dataset_rt import objects
+
         for name in objects.list_names(url, storage_options):
             try:
                 remote.append(objects.read_manifest(objects.RemoteDir(url, name, storage_options)))

@@ -13,12 +13,12 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import polars as pl
 
-from dataset_rt import _native, fetch
-from dataset_rt.caches import Cache, open_by_id, restore_saved_plan, saved_plan
+from dataset_rt import _native
+from dataset_rt.caches import Cache, local_copy, open_by_id, restore_saved_plan, saved_plan
 from dataset_rt.errors import (
     ArgumentError,
     LoaderStateError,
@@ -29,6 +29,9 @@ from dataset_rt.metadata import check_weights, link_columns
 from dataset_rt.pipeline import Collate, LoaderSpec, Transform, assemble
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
+
+if TYPE_CHECKING:
+    from dataset_rt.fetch import RemoteSource, ShardPrefetch
 
 __all__ = ["Loader", "LoaderStats", "loader_signature"]
 
@@ -350,15 +353,17 @@ class Loader:
         return caches, pl.DataFrame(columns)
 
     @staticmethod
-    def _remote(cache: Cache) -> fetch.RemoteSource | None:
-        copy = fetch.copy_for(cache.path)
+    def _remote(cache: Cache) -> RemoteSource | None:
+        copy = local_copy(cache.path)
         return None if copy is None else copy.source
 
-    def _shard_prefetch(self, schedule: _native.Schedule) -> fetch.ShardPrefetch | None:
+    def _shard_prefetch(self, schedule: _native.Schedule) -> ShardPrefetch | None:
         """Fetches the remote shards this epoch reads ahead of its batches; None if none is."""
         spec = self._spec
         if not any(spec.remotes):
             return None
+        from dataset_rt import fetch
+
         copies = [None if r is None else r.attach() for r in spec.remotes]
         order = _native.epoch_shards(
             spec.plan,

@@ -359,7 +359,12 @@ def checked_scan(path: Path, check: Callable[[], object]) -> pl.LazyFrame:
     from polars.io.plugins import register_io_source
 
     # The footer alone gives the schema; the table's bytes are checked before any is read.
+    # It is read now, as a mapping: given a function instead, Polars imports pyarrow (tens
+    # of milliseconds of a fresh process's first batch) to ask whether it is a pyarrow schema.
+    try:
+        schema = pl.Schema(pl.read_parquet_schema(path))
+    except Exception:
+        check()  # a damaged table is reported as such (CacheCorruptError)
+        raise
     pure: dict[str, Any] = {"is_pure": True}
-    return register_io_source(
-        source, schema=lambda: pl.Schema(pl.read_parquet_schema(path)), **pure
-    )
+    return register_io_source(source, schema=schema, **pure)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import urlparse
 
 from dataset_rt.errors import ArgumentError
 
@@ -24,7 +23,11 @@ _SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "file"}
 
 def is_url(root: object) -> bool:
     """Whether ``root`` names object storage (``s3://...`` and the like), not a directory."""
-    return isinstance(root, str) and urlparse(root).scheme in _SCHEMES
+    if not isinstance(root, str) or "://" not in root:
+        return False  # a directory: urllib.parse (and ipaddress) stay unimported
+    from urllib.parse import urlparse
+
+    return urlparse(root).scheme in _SCHEMES
 
 
 def root_url(root: PathLike | None) -> str | None:

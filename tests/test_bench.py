@@ -30,7 +30,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         ),
         (["serialize.py", "--smoke"], ["bare copy", "zero-copy (default)", "pickle in band"]),
         (["access.py", "--smoke"], ["mmap, one by one", "get, one by one", "get_many, 256"]),
-        (["startup.py", "--smoke"], ["metadata  import", "scan()    import", "anonymous"]),
+        (
+            ["startup.py", "--smoke"],
+            ["baseline (mmap offsets)", "the rest of import dataset_rt", "scan()    import"],
+        ),
         (
             ["remote.py", "--smoke"],
             [
