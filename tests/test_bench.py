@@ -43,8 +43,19 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
                 "fetched on demand",
             ],
         ),
+        (["fuzz.py", "--smoke"], ["damaged local caches", "in a local S3 server", "findings: 0"]),
     ],
-    ids=["build", "build-ray", "metadata", "loader", "serialize", "access", "startup", "remote"],
+    ids=[
+        "build",
+        "build-ray",
+        "metadata",
+        "loader",
+        "serialize",
+        "access",
+        "startup",
+        "remote",
+        "fuzz",
+    ],
 )
 def test_benchmark_runs_and_prints_its_table(args: list[str], expected: list[str]) -> None:
     result = subprocess.run(
