@@ -16,10 +16,22 @@ from dataset_rt.roots import PathLike
 __all__ = ["plot", "records", "summary"]
 
 
-def _columns(by: str | Sequence[str]) -> list[str]:
+# Polars 1 cannot group by fixed-size arrays: it panics.
+_UNGROUPABLE = (pl.Object,) if int(pl.__version__.split(".")[0]) >= 2 else (pl.Object, pl.Array)
+
+
+def _columns(frame: pl.LazyFrame, by: str | Sequence[str]) -> list[str]:
     columns = [by] if isinstance(by, str) else list(by)
     if not columns or not all(isinstance(c, str) for c in columns):
         raise ArgumentError(f"by must be a column name or a list of them, got {by!r}")
+    schema = frame.collect_schema()
+    for column in columns:
+        dtype = schema.get(column)
+        if dtype is not None and isinstance(dtype, _UNGROUPABLE):
+            raise ArgumentError(
+                f"cannot group by column {column!r} of dtype {dtype} (Polars {pl.__version__} "
+                "has no grouping for it); group by a column derived from it instead"
+            )
     return columns
 
 
@@ -31,7 +43,7 @@ def summary(
     num_samples: int | None = None,
 ) -> pl.LazyFrame:
     """Per-group counts, shares and expected draws per epoch; see ``df.drt.summary``."""
-    columns = _columns(by)
+    columns = _columns(frame, by)
     if num_samples is not None and (isinstance(num_samples, bool) or num_samples < 1):
         raise ArgumentError(f"num_samples must be a positive integer, got {num_samples!r}")
     draws = pl.lit(num_samples) if num_samples is not None else pl.col("samples").sum()

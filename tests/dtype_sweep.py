@@ -121,7 +121,11 @@ def role(case: str) -> str:
 def outcome(case: str, dtype: str, run: Callable[..., Any], *args: Any) -> dict[str, Any]:
     try:
         run(*args)
-    except Exception as exc:  # every exception is reported; the test judges them
+    # Every exception is reported, the test judges them: a panic inside Polars itself raises
+    # pyo3's PanicException, a BaseException.
+    except (Exception, BaseException) as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
         kind = (
             "dataset_rt"
             if isinstance(exc, DatasetRTError)
