@@ -61,6 +61,28 @@ class DrtExprNamespace:
         """
         return plugins.balance(self._expr, *more, power=power, weight=weight)
 
+    def mix(
+        self, shares: Mapping[str | int, float], *, weight: plugins.IntoExpr | None = None
+    ) -> pl.Expr:
+        """Probabilities that give each group of this column exactly its share of the draws.
+
+        Within a group, rows keep the proportions of ``weight`` (equal without one); see
+        :func:`dataset_rt.plugins.mix`.
+
+        Examples
+        --------
+        >>> import polars as pl, dataset_rt
+        >>> df = pl.DataFrame({"source": ["web", "web", "web", "code"], "w": [1, 1, 2, 1]})
+        >>> mixed = df.with_columns(p=pl.col("source").drt.mix({"web": 0.5, "code": 0.5}))
+        >>> mixed.group_by("source", maintain_order=True).agg(pl.col("p").sum()).rows()
+        [('web', 0.5), ('code', 0.5)]
+        >>> df.select(pl.col("source").drt.mix({"web": 0.5, "code": 0.5}, weight="w"))[
+        ...     "source"
+        ... ].to_list()
+        [0.125, 0.125, 0.25, 0.5]
+        """
+        return plugins.mix(self._expr, shares, weight=weight)
+
     def split(self, fractions: Mapping[str, float], *, seed: int = 0) -> pl.Expr:
         """The split each id falls into, by a stable hash; see :func:`dataset_rt.plugins.split`.
 

@@ -17,7 +17,7 @@ import polars as pl
 from polars.plugins import register_plugin_function
 
 from dataset_rt import _native
-from dataset_rt.errors import ArgumentError
+from dataset_rt.errors import ArgumentError, WeightError
 
 __all__ = [
     "PLUGIN_PATH",
@@ -25,6 +25,7 @@ __all__ = [
     "draw_rows",
     "draws",
     "effective_size",
+    "mix",
     "normalize",
     "split",
 ]
@@ -102,6 +103,68 @@ def balance(*keys: IntoExpr, power: float = 1.0, weight: IntoExpr | None = None)
         function_name="balance",
         args=args,
         kwargs={"power": float(power), "weighted": weight is not None},
+        is_elementwise=False,
+    )
+
+
+def mix(
+    groups: IntoExpr, shares: Mapping[str | int, float], *, weight: IntoExpr | None = None
+) -> pl.Expr:
+    """Sampling probabilities that give each group of ``groups`` exactly its share of draws.
+
+    Row ``i`` of group ``g`` gets ``s_g / Σs · w_i / W_g``, where ``s_g`` is the group's
+    share, ``w_i`` the row's ``weight`` (1 without one) and ``W_g`` the group's total: the
+    probabilities of a group's rows sum to exactly its share, and within a group rows keep
+    the proportions of their weights. Used as a loader's ``weight``, each group gets its share
+    of every epoch's draws in expectation, however many rows it has.
+
+    Parameters
+    ----------
+    groups
+        The column naming each row's group: strings (a source, ``cache_id``), categoricals,
+        enums or integers.
+    shares
+        Group → share, non-negative, scaled to sum to 1 (``{"web": 6, "code": 3}`` is
+        ``{"web": 0.6667, "code": 0.3333}``). A group with share 0 is never drawn.
+    weight
+        Per-sample weights to keep within each group.
+
+    Raises
+    ------
+    WeightError
+        Now: a share is negative, not finite or not a number, or every share is zero.
+    polars.exceptions.ComputeError
+        When the expression runs, naming the group or row: a row whose group ``shares`` does
+        not name, a null group, a named group with a positive share but no rows (or only
+        rows of weight zero), or a bad ``weight``.
+    """
+    if not isinstance(shares, Mapping) or not shares:
+        raise ArgumentError(f"shares must be a non-empty mapping of group to share, got {shares!r}")
+    names: list[str] = []
+    values: list[float] = []
+    for group, share in shares.items():
+        if isinstance(group, bool) or not isinstance(group, str | int):
+            raise ArgumentError(f"groups are named by strings or integers, got {group!r}")
+        if isinstance(share, bool) or not isinstance(share, Real):
+            raise WeightError(f"the share of group {group!r} must be a number, got {share!r}")
+        if not (math.isfinite(share) and share >= 0):
+            raise WeightError(
+                f"the share of group {group!r} is {share}; shares must be finite and non-negative"
+            )
+        names.append(str(group))
+        values.append(float(share))
+    if len(set(names)) < len(names):
+        raise ArgumentError(f"shares names a group twice (as a string and an integer): {shares!r}")
+    if not math.fsum(values) > 0:
+        raise WeightError(f"every share is zero in {shares!r}: nothing could ever be drawn")
+    args = [_expr(groups)]
+    if weight is not None:
+        args.append(_expr(weight))
+    return register_plugin_function(
+        plugin_path=PLUGIN_PATH,
+        function_name="mix",
+        args=args,
+        kwargs={"names": names, "shares": values, "weighted": weight is not None},
         is_elementwise=False,
     )
 

@@ -74,6 +74,8 @@ def expression_cases() -> dict[str, Callable[[], pl.Expr]]:
         "balance(weight=)": lambda: pl.col("key").drt.balance(weight=COLUMN),
         "split": lambda: c.drt.split({"a": 0.5, "b": 0.5}),
         "draws": lambda: c.drt.draws(),
+        "mix": lambda: c.drt.mix({"a": 1, "b": 1, "1": 1, "2": 1}),
+        "mix(weight=)": lambda: pl.col("key").drt.mix({0: 1, 1: 1}, weight=COLUMN),
     }
 
 

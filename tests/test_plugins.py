@@ -14,8 +14,17 @@ from polars.exceptions import ComputeError
 
 import dataset_rt as drt
 from dataset_rt import plugins
+from dataset_rt.errors import ArgumentError, WeightError
 
-PLUGIN_FUNCTIONS = ["balance", "draw_rows", "draws", "effective_size", "normalize", "split"]
+PLUGIN_FUNCTIONS = [
+    "balance",
+    "draw_rows",
+    "draws",
+    "effective_size",
+    "mix",
+    "normalize",
+    "split",
+]
 
 
 def test_every_plugin_function_is_exported_from_the_native_module() -> None:
@@ -315,3 +324,66 @@ def test_property_split_is_per_id(ids: list[int]) -> None:
         pl.DataFrame({"id": [i]}).select(pl.col("id").drt.split(fractions))["id"][0] for i in ids
     ]
     assert whole == one_by_one
+
+
+def test_mix_gives_each_group_exactly_its_share_and_keeps_weights_within() -> None:
+    df = pl.DataFrame(
+        {
+            "source": ["web"] * 6 + ["code"] * 3 + ["books"],
+            "w": [1.0, 1.0, 2.0, 0.0, 1.0, 5.0, 1.0, 1.0, 1.0, 7.0],
+        }
+    )
+    shares = {"web": 0.6, "code": 0.3, "books": 0.1}
+    lazy = df.lazy().with_columns(p=pl.col("source").drt.mix(shares, weight="w"))
+    for mixed in (lazy.collect(), lazy.collect(engine="streaming")):
+        totals = dict(mixed.group_by("source").agg(pl.col("p").sum()).rows())
+        assert totals == pytest.approx(shares, abs=1e-12)
+        web = mixed.filter(pl.col("source") == "web")["p"].to_list()
+        assert web == pytest.approx([0.06, 0.06, 0.12, 0.0, 0.06, 0.3])
+    # Shares are scaled to sum to 1; without weights a group's rows share equally; a group
+    # with share 0 is never drawn; integer labels and categoricals name groups too.
+    equal = df.select(pl.col("source").drt.mix({"web": 2, "code": 2, "books": 0}))["source"]
+    assert equal.to_list() == pytest.approx([0.5 / 6] * 6 + [0.5 / 3] * 3 + [0.0])
+    codes = pl.DataFrame({"g": [1, 1, 2]}).select(pl.col("g").drt.mix({1: 1, 2: 3}))["g"]
+    assert codes.to_list() == [0.125, 0.125, 0.75]
+    cats = df.with_columns(pl.col("source").cast(pl.Categorical))
+    assert cats.select(pl.col("source").drt.mix(shares))["source"].sum() == pytest.approx(1.0)
+
+
+def test_a_mixed_loader_draws_each_source_its_share() -> None:
+    web = drt.cache((("web", i) for i in range(900)), "mix-web", progress=False)
+    code = drt.cache((("code", i) for i in range(100)), "mix-code", progress=False)
+    frame = pl.concat([web.metadata, code.metadata]).with_columns(
+        weight=pl.col("cache_id").drt.mix({web.cache_id: 0.25, code.cache_id: 0.75})
+    )
+    loader = frame.drt.loader(batch_size=500, seed=3, num_samples=20_000, collate=list)
+    drawn = sum(1 for batch in loader for source, _ in batch if source == "code")
+    previewed = frame.with_columns(n=pl.col("weight").drt.draws(20_000, seed=3))
+    assert drawn == previewed.filter(pl.col("cache_id") == code.cache_id)["n"].sum()
+    assert 0.73 < drawn / 20_000 < 0.77, "a tenth of the rows gets three quarters of the draws"
+
+
+def test_mix_refuses_what_cannot_be_drawn() -> None:
+    df = pl.DataFrame({"source": ["web", "web", "code"], "w": [1.0, 0.0, 1.0]})
+    with pytest.raises(WeightError, match="share of group 'code' is -1"):
+        pl.col("source").drt.mix({"web": 1, "code": -1})
+    with pytest.raises(WeightError, match="every share is zero"):
+        pl.col("source").drt.mix({"web": 0, "code": 0.0})
+    with pytest.raises(WeightError, match="must be a number"):
+        pl.col("source").drt.mix({"web": "half"})  # type: ignore[dict-item]
+    with pytest.raises(ArgumentError, match="non-empty mapping"):
+        pl.col("source").drt.mix({})
+    with pytest.raises(ComputeError, match="group 'code' of column 'source'.*does not name"):
+        df.select(pl.col("source").drt.mix({"web": 1}))
+    with pytest.raises(
+        ComputeError, match="group 'books' of column 'source' has a share of 0.5 but no rows"
+    ):
+        df.select(pl.col("source").drt.mix({"web": 1, "code": 1, "books": 0.5}))
+    with pytest.raises(
+        ComputeError, match="rows of group 'code' of column 'source' all weigh zero"
+    ):
+        df.select(pl.col("source").drt.mix({"web": 1, "code": 1}, weight=pl.Series([1, 1, 0])))
+    with pytest.raises(ComputeError, match="'source' is null at row 1"):
+        pl.DataFrame({"source": ["web", None]}).select(pl.col("source").drt.mix({"web": 1}))
+    with pytest.raises(ComputeError, match="mix group column 'w' must be strings or integers"):
+        df.select(pl.col("w").drt.mix({"1.0": 1}))

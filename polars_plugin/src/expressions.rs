@@ -54,6 +54,14 @@ fn groups_to_f64(fields: &[Field]) -> PolarsResult<Field> {
     Ok(Field::new(field.name().clone(), DataType::Float64))
 }
 
+fn mixture_to_f64(fields: &[Field]) -> PolarsResult<Field> {
+    let labels = |dtype: &DataType| {
+        dtype.is_string() || dtype.is_categorical() || dtype.is_enum() || dtype.is_integer()
+    };
+    let field = first_input(fields, "mix group", labels, "strings or integers")?;
+    Ok(Field::new(field.name().clone(), DataType::Float64))
+}
+
 fn ids_to_string(fields: &[Field]) -> PolarsResult<Field> {
     let ids = |dtype: &DataType| dtype.is_integer() || dtype.is_string() || dtype.is_null();
     let field = first_input(fields, "split id", ids, "integers or strings")?;
@@ -146,6 +154,54 @@ fn balance(inputs: &[Series], kwargs: BalanceKwargs) -> PolarsResult<Series> {
     let weights = drt_core::weights::balance(&ids, num_groups, kwargs.power, base.as_deref())
         .map_err(compute_err)?;
     Ok(Float64Chunked::from_vec(keys[0].name().clone(), weights).into_series())
+}
+
+#[derive(Deserialize)]
+struct MixKwargs {
+    /// The groups' labels, as their column's values cast to strings read.
+    names: Vec<String>,
+    shares: Vec<f64>,
+    /// Whether a second input holds base weights to keep within each group.
+    weighted: bool,
+}
+
+/// Probabilities that give every named group exactly its share of the draws; see
+/// `drt_core::weights::mix`.
+#[polars_expr(output_type_func=mixture_to_f64)]
+fn mix(inputs: &[Series], kwargs: MixKwargs) -> PolarsResult<Series> {
+    let column = &inputs[0];
+    let labels = column.to_storage().cast(&DataType::String)?;
+    let index: std::collections::HashMap<&str, u32> = kwargs
+        .names
+        .iter()
+        .enumerate()
+        .map(|(g, name)| (name.as_str(), g as u32))
+        .collect();
+    let mut groups = Vec::with_capacity(labels.len());
+    for (row, label) in labels.str()?.iter().enumerate() {
+        let label = label.ok_or_else(|| {
+            polars_err!(ComputeError: "mix group column {} is null at row {row}; every row needs a group", quote(column.name()))
+        })?;
+        let group = index.get(label).ok_or_else(|| {
+            polars_err!(
+                ComputeError: "row {row} is in group {} of column {}, which mix() does not name (it names {}); filter the row out or give the group a share",
+                quote(label), quote(column.name()), kwargs.names.iter().map(|n| quote(n)).collect::<Vec<_>>().join(", ")
+            )
+        })?;
+        groups.push(*group);
+    }
+    let base = match (kwargs.weighted, inputs.get(1)) {
+        (true, Some(s)) => {
+            let ca = weights_f64(s)?;
+            drt_core::weights::checked_total(ca.iter(), s.name()).map_err(compute_err)?;
+            Some(ca.into_no_null_iter().collect::<Vec<f64>>())
+        }
+        _ => None,
+    };
+    let (shares, names) = (&kwargs.shares, &kwargs.names);
+    let weights = drt_core::weights::mix(&groups, shares, names, base.as_deref(), column.name())
+        .map_err(compute_err)?;
+    Ok(Float64Chunked::from_vec(column.name().clone(), weights).into_series())
 }
 
 #[derive(Deserialize)]

@@ -43,6 +43,17 @@ pub fn normalize(weights: &[Option<f64>], column: &str) -> Result<Vec<f64>> {
     Ok(weights.iter().map(|w| w.unwrap_or(0.0) / total).collect())
 }
 
+/// Refuses base weights that are not one per row.
+fn check_base(base: Option<&[f64]>, rows: usize) -> Result<()> {
+    match base {
+        Some(base) if base.len() != rows => Err(Error::InvalidArgument(format!(
+            "{} base weights for {rows} rows",
+            base.len()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Per-row weights that give every group the same total (`power = 1`), leave the natural
 /// distribution (`power = 0`), or anything in between (a temperature).
 ///
@@ -61,15 +72,7 @@ pub fn balance(
             "power must lie between 0 (natural distribution) and 1 (equal groups), got {power}"
         )));
     }
-    if let Some(base) = base {
-        if base.len() != group_of_row.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} base weights for {} rows",
-                base.len(),
-                group_of_row.len()
-            )));
-        }
-    }
+    check_base(base, group_of_row.len())?;
     let base_of = |i: usize| base.map_or(1.0, |b| b[i]);
     let mut totals = vec![0.0f64; num_groups];
     for (i, &g) in group_of_row.iter().enumerate() {
@@ -96,6 +99,93 @@ pub fn balance(
     Ok(weights)
 }
 
+/// Per-row probabilities that give each group exactly its share of the draws: a mixture.
+///
+/// `group_of_row[i]` is row i's group, an index into `shares` and `names` (the groups'
+/// names, for messages). Shares are non-negative and scaled here to sum to 1; within a group,
+/// rows divide its share in proportion to their `base` weights (equally without them). Row i
+/// of group g gets `share_g / Σshares · base_i / Σ_{j in g} base_j`, so the probabilities of
+/// group g's rows sum to exactly its share. A group with a positive share must have rows,
+/// and base weights that are not all zero; a group with share 0 gets probability 0.
+/// `column` names the group column in error messages.
+pub fn mix(
+    group_of_row: &[u32],
+    shares: &[f64],
+    names: &[String],
+    base: Option<&[f64]>,
+    column: &str,
+) -> Result<Vec<f64>> {
+    if names.len() != shares.len() {
+        return Err(Error::Internal(format!(
+            "{} group names for {} shares",
+            names.len(),
+            shares.len()
+        )));
+    }
+    check_base(base, group_of_row.len())?;
+    let mut total_share = 0.0;
+    for (name, &share) in names.iter().zip(shares) {
+        if !share.is_finite() || share < 0.0 {
+            return Err(Error::InvalidArgument(format!(
+                "the share of group {} is {share}; shares must be finite and non-negative",
+                quote(name)
+            )));
+        }
+        total_share += share;
+    }
+    if total_share <= 0.0 {
+        return Err(Error::InvalidArgument(
+            "every share is zero: nothing could ever be drawn".to_string(),
+        ));
+    }
+    let base_of = |i: usize| base.map_or(1.0, |b| b[i]);
+    let mut totals = vec![0.0f64; shares.len()];
+    let mut rows = vec![0usize; shares.len()];
+    for (i, &g) in group_of_row.iter().enumerate() {
+        let g = g as usize;
+        let slot = totals.get_mut(g).ok_or_else(|| {
+            Error::Internal(format!("row {i} is in group {g} of {}", shares.len()))
+        })?;
+        *slot += base_of(i);
+        rows[g] += 1;
+    }
+    for (g, name) in names.iter().enumerate() {
+        if shares[g] > 0.0 && rows[g] == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "group {} of column {} has a share of {} but no rows: its draws would have \
+                 nowhere to go",
+                quote(name),
+                quote(column),
+                shares[g]
+            )));
+        }
+        if shares[g] > 0.0 && totals[g] <= 0.0 {
+            return Err(Error::InvalidArgument(format!(
+                "the {} rows of group {} of column {} all weigh zero, so its share of {} \
+                 cannot be drawn",
+                rows[g],
+                quote(name),
+                quote(column),
+                shares[g]
+            )));
+        }
+    }
+    let factors: Vec<f64> = (0..shares.len())
+        .map(|g| {
+            if totals[g] > 0.0 {
+                shares[g] / total_share / totals[g]
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Ok(group_of_row
+        .iter()
+        .enumerate()
+        .map(|(i, &g)| base_of(i) * factors[g as usize])
+        .collect())
+}
+
 /// Kish's effective sample size `(Σw)² / Σw²`: how many equally weighted samples carry as
 /// much information as these weighted ones.
 pub fn effective_size(weights: impl IntoIterator<Item = Option<f64>>, column: &str) -> Result<f64> {
@@ -115,6 +205,43 @@ pub fn effective_size(weights: impl IntoIterator<Item = Option<f64>>, column: &s
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn names(n: usize) -> Vec<String> {
+        (0..n).map(|g| format!("g{g}")).collect()
+    }
+
+    #[test]
+    fn mix_gives_each_group_exactly_its_share() {
+        let groups = [0, 0, 0, 1, 2, 2];
+        let base = [1.0, 2.0, 1.0, 5.0, 0.0, 3.0];
+        let p = mix(&groups, &[6.0, 3.0, 1.0], &names(3), Some(&base), "g").unwrap();
+        let share = |g: u32| -> f64 { (0..6).filter(|&i| groups[i] == g).map(|i| p[i]).sum() };
+        assert!((share(0) - 0.6).abs() < 1e-12);
+        assert!((share(1) - 0.3).abs() < 1e-12);
+        assert!((share(2) - 0.1).abs() < 1e-12);
+        assert!(
+            (p[1] - 2.0 * p[0]).abs() < 1e-12,
+            "rows keep their shares within a group"
+        );
+        assert_eq!(p[4], 0.0);
+        let equal = mix(&groups, &[1.0, 1.0, 0.0], &names(3), None, "g").unwrap();
+        assert_eq!(equal[4], 0.0);
+        assert!((equal[0] - 0.5 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn mix_refuses_shares_that_cannot_be_drawn() {
+        let err = |groups: &[u32], shares: &[f64], base: Option<&[f64]>| {
+            mix(groups, shares, &names(shares.len()), base, "g")
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(&[0, 0], &[1.0, 1.0], None).contains("group 'g1' of column 'g' has a share"));
+        assert!(err(&[0, 1], &[1.0, 1.0], Some(&[1.0, 0.0])).contains("all weigh zero"));
+        assert!(err(&[0], &[0.0], None).contains("every share is zero"));
+        assert!(err(&[0], &[-1.0], None).contains("finite and non-negative"));
+        assert!(err(&[0], &[f64::NAN], None).contains("finite and non-negative"));
+    }
 
     #[test]
     fn normalize_sums_to_one() {
