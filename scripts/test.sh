@@ -92,6 +92,16 @@ install new cp311-abi3
 export DATASET_RT_WHEELS="$wheels" DATASET_RT_TEST_INSTALLED=1
 export PATH="$PWD/.test-envs/pynew/bin:$PATH"
 
+# Checks the installed native module against its stub, in environment .test-envs/py$1. It
+# runs from the wheels' directory: `python -m` puts the working directory first on sys.path,
+# where the checkout's dataset_rt/ (without the compiled module) would shadow the installed
+# package. The allowlist covers what only some Python versions show (see its comments).
+stubtest() {
+    local python="$PWD/.test-envs/py$1/bin/python" allow="$PWD/.mypy-stubtest-allowlist"
+    (cd "$wheels" && "$python" -m mypy.stubtest dataset_rt._native --allowlist "$allow" \
+        --ignore-unused-allowlist)
+}
+
 step "rust: format, lint, unit tests"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
@@ -101,9 +111,7 @@ step "python: format, lint, types, stubs"
 ruff format --check .
 ruff check .
 mypy
-# The allowlist covers what only some Python versions show (see its comments).
-.test-envs/pynew/bin/python -m mypy.stubtest dataset_rt._native \
-    --allowlist .mypy-stubtest-allowlist --ignore-unused-allowlist
+stubtest new
 
 step "python $("$newest" -V | cut -d' ' -f2), newest Polars: tests, doctests and docs"
 .test-envs/pynew/bin/python -c 'import polars; print("polars", polars.__version__)'
@@ -114,7 +122,6 @@ if [ -n "$oldest" ]; then
     # mypy checks against the interpreter's own version: here the 3.10 standard library and
     # the floor Polars' annotations.
     .test-envs/pyold/bin/mypy
-    .test-envs/pyold/bin/python -m mypy.stubtest dataset_rt._native \
-        --allowlist .mypy-stubtest-allowlist --ignore-unused-allowlist
+    stubtest old
     DATASET_RT_TEST_POLARS="$floor" .test-envs/pyold/bin/pytest "$@"
 fi
