@@ -23,6 +23,11 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group().split(".")) if match else ()
 
 
+POLARS_2 = _release(pl.__version__) >= (2,)
+"""Whether the installed Polars is of the 2.x line (Python scan sources in every engine,
+grouping by fixed-size arrays); the modules that behave differently read this."""
+
+
 def check_polars_version(version: str | None = None) -> None:
     """Checks the installed Polars (or ``version``) against the supported range.
 

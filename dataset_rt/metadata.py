@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import polars as pl
 
+from dataset_rt._version_check import POLARS_2
 from dataset_rt.errors import MetadataError, WeightError
 
 __all__ = ["RESERVED_COLUMNS", "MetadataCollector", "checked_scan"]
@@ -201,6 +202,17 @@ def _first(mask: pl.Series, values: pl.Series) -> object:
     return values.filter(mask).head(1).item()
 
 
+def _check_link_dtypes(frame: pl.DataFrame) -> None:
+    """Refuses a ``cache_id`` that is not strings or a ``sample_id`` that is not integers."""
+    schema = frame.schema
+    if schema["cache_id"] not in (pl.String, pl.Categorical) and not isinstance(
+        schema["cache_id"], pl.Enum
+    ):
+        raise MetadataError(f"column 'cache_id' must hold strings, not {schema['cache_id']}")
+    if not schema["sample_id"].is_integer():
+        raise MetadataError(f"column 'sample_id' must hold integers, not {schema['sample_id']}")
+
+
 def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str) -> pl.DataFrame:
     """Checks an edited metadata table before it is saved as a new version of a cache.
 
@@ -221,13 +233,7 @@ def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str
             f"the metadata table lacks column(s) {missing}; cache_id, sample_id and weight "
             "link each row to its sample and its sampling weight"
         )
-    schema = frame.schema
-    if schema["cache_id"] not in (pl.String, pl.Categorical) and not isinstance(
-        schema["cache_id"], pl.Enum
-    ):
-        raise MetadataError(f"column 'cache_id' must hold strings, not {schema['cache_id']}")
-    if not schema["sample_id"].is_integer():
-        raise MetadataError(f"column 'sample_id' must hold integers, not {schema['sample_id']}")
+    _check_link_dtypes(frame)
 
     cache_ids = frame["cache_id"].cast(pl.String)
     foreign = cache_ids.ne_missing(cache_id)
@@ -269,13 +275,8 @@ def link_columns(frame: pl.DataFrame) -> tuple[pl.Series, pl.Series]:
             f"the frame lacks the column(s) {missing}: cache_id and sample_id link rows to "
             "their records"
         )
+    _check_link_dtypes(frame)
     cache_ids, ids = frame["cache_id"], frame["sample_id"]
-    if cache_ids.dtype not in (pl.String, pl.Categorical, pl.Null) and not isinstance(
-        cache_ids.dtype, pl.Enum
-    ):
-        raise MetadataError(f"column 'cache_id' must hold strings, not {cache_ids.dtype}")
-    if not ids.dtype.is_integer():
-        raise MetadataError(f"column 'sample_id' must hold integers, not {ids.dtype}")
     for column in (cache_ids, ids):
         if column.null_count():
             raise MetadataError(f"column {column.name!r} holds nulls; every row needs one")
@@ -318,7 +319,7 @@ def check_weights(weight: pl.Series, ids: pl.Series, *, allow_empty: bool = Fals
 
 
 # Polars 2 runs Python scan sources in every engine; Polars 1.25's streaming engine cannot.
-_DEFERRED = int(pl.__version__.split(".")[0]) >= 2
+_DEFERRED = POLARS_2
 
 
 def checked_scan(path: Path, check: Callable[[], object]) -> pl.LazyFrame:

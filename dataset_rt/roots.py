@@ -23,8 +23,8 @@ _SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "file"}
 
 def is_url(root: object) -> bool:
     """Whether ``root`` names object storage (``s3://...`` and the like), not a directory."""
-    if not isinstance(root, str) or "://" not in root:
-        return False  # a directory: urllib.parse (and ipaddress) stay unimported
+    if not isinstance(root, str) or ":" not in root:
+        return False  # no scheme: a directory, and urllib.parse (with ipaddress) stays unimported
     from urllib.parse import urlparse
 
     return urlparse(root).scheme in _SCHEMES

@@ -8,6 +8,7 @@ from typing import Any
 import polars as pl
 
 from dataset_rt import plugins
+from dataset_rt._version_check import POLARS_2
 from dataset_rt.caches import open_by_id
 from dataset_rt.errors import ArgumentError
 from dataset_rt.metadata import link_columns
@@ -17,7 +18,7 @@ __all__ = ["plot", "records", "summary"]
 
 
 # Polars 1 cannot group by fixed-size arrays: it panics.
-_UNGROUPABLE = (pl.Object,) if int(pl.__version__.split(".")[0]) >= 2 else (pl.Object, pl.Array)
+_UNGROUPABLE = (pl.Object,) if POLARS_2 else (pl.Object, pl.Array)
 
 
 def _columns(frame: pl.LazyFrame, by: str | Sequence[str]) -> list[str]:

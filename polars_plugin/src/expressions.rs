@@ -78,6 +78,13 @@ fn weights_f64(s: &Series) -> PolarsResult<Float64Chunked> {
     Ok(s.cast(&DataType::Float64)?.f64()?.clone())
 }
 
+/// A checked weight column that `balance` and `mix` keep within each group, as values.
+fn base_weights(s: &Series) -> PolarsResult<Vec<f64>> {
+    let ca = weights_f64(s)?;
+    drt_core::weights::checked_total(ca.iter(), s.name()).map_err(compute_err)?;
+    Ok(ca.into_no_null_iter().collect())
+}
+
 /// Probabilities proportional to the weights: `pl.col("weight").drt.normalize()`.
 #[polars_expr(output_type_func=weight_to_f64)]
 fn normalize(inputs: &[Series]) -> PolarsResult<Series> {
@@ -142,14 +149,7 @@ fn balance(inputs: &[Series], kwargs: BalanceKwargs) -> PolarsResult<Series> {
         _ => (inputs, None),
     };
     polars_ensure!(!keys.is_empty(), ComputeError: "balance needs at least one group column");
-    let base = match base {
-        Some(s) => {
-            let ca = weights_f64(s)?;
-            drt_core::weights::checked_total(ca.iter(), s.name()).map_err(compute_err)?;
-            Some(ca.into_no_null_iter().collect::<Vec<f64>>())
-        }
-        None => None,
-    };
+    let base = base.map(base_weights).transpose()?;
     let (ids, num_groups) = group_ids(keys)?;
     let weights = drt_core::weights::balance(&ids, num_groups, kwargs.power, base.as_deref())
         .map_err(compute_err)?;
@@ -191,11 +191,7 @@ fn mix(inputs: &[Series], kwargs: MixKwargs) -> PolarsResult<Series> {
         groups.push(*group);
     }
     let base = match (kwargs.weighted, inputs.get(1)) {
-        (true, Some(s)) => {
-            let ca = weights_f64(s)?;
-            drt_core::weights::checked_total(ca.iter(), s.name()).map_err(compute_err)?;
-            Some(ca.into_no_null_iter().collect::<Vec<f64>>())
-        }
+        (true, Some(s)) => Some(base_weights(s)?),
         _ => None,
     };
     let (shares, names) = (&kwargs.shares, &kwargs.names);
