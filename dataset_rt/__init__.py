@@ -23,12 +23,14 @@ from dataset_rt._native import __version__  # noqa: E402
 from dataset_rt.build import append, cache  # noqa: E402
 from dataset_rt.caches import Cache, list_caches, open  # noqa: E402
 from dataset_rt.loader import Loader  # noqa: E402
+from dataset_rt.program import Phase  # noqa: E402
 from dataset_rt.roots import default_root  # noqa: E402
 from dataset_rt.verify import Problem, VerifyReport, verify  # noqa: E402
 
 __all__ = [
     "Cache",
     "Loader",
+    "Phase",
     "Problem",
     "VerifyReport",
     "__version__",

@@ -15,27 +15,33 @@ __all__ = [
     "BuildLock",
     "CacheBuilder",
     "CacheReader",
+    "Columns",
     "Manifest",
     "MappedRecord",
     "MetadataSave",
     "PartWriter",
     "Prefetcher",
+    "Program",
     "Schedule",
     "Store",
     "__version__",
     "checked_metadata_table",
+    "draws_at",
     "epoch_shards",
     "file_checksum",
+    "file_digest",
     "metadata_file",
     "metadata_table_file",
     "plan_file",
     "plan_rows",
+    "plan_samples",
     "read_manifest",
     "register_fetcher",
     "relocate_part",
     "unregister_fetcher",
     "validate_name",
     "write_plan",
+    "write_table",
 ]
 
 __version__: str
@@ -60,6 +66,7 @@ def epoch_shards(
     *,
     seed: int,
     epoch: int,
+    program: Program | None = None,
 ) -> list[tuple[int, str, int]]: ...
 def relocate_part(part: str, old_dir: str, new_dir: str) -> str: ...
 def checked_metadata_table(
@@ -69,6 +76,37 @@ def metadata_table_file(cache_dir: str | PathLike[str], version: int) -> Path: .
 def write_plan(
     path: str | PathLike[str], frame: object, num_caches: int, weighted: bool
 ) -> str: ...
+def write_table(path: str | PathLike[str], frame: object, column: str) -> str: ...
+def file_digest(path: str | PathLike[str]) -> str: ...
+def plan_samples(plan_path: str | PathLike[str]) -> Columns: ...
+def draws_at(
+    plan_path: str | PathLike[str],
+    program: Program | None,
+    *,
+    seed: int,
+    epoch: int,
+    total: int,
+    start: int,
+    stop: int,
+    step: int,
+) -> Columns: ...
+
+@final
+class Program:
+    def __new__(
+        cls,
+        tables: list[str],
+        segments: list[tuple[int, int, tuple[int, int] | None]],
+    ) -> Program: ...
+    def __getnewargs__(
+        self,
+    ) -> tuple[list[Path], list[tuple[int, int, tuple[int, int] | None]]]: ...
+    @property
+    def rows(self) -> int: ...
+
+@final
+class Columns:
+    def __arrow_c_stream__(self, requested_schema: object | None = None) -> object: ...
 
 @final
 class Store:
@@ -259,6 +297,12 @@ class Schedule:
     @property
     def cursor(self) -> int: ...
     @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
     def num_batches(self) -> int: ...
     @property
     def per_rank(self) -> int: ...
@@ -309,6 +353,7 @@ class Prefetcher:
         depth: int,
         verify: bool,
         views: bool,
+        program: Program | None = None,
     ) -> Prefetcher: ...
     def __iter__(self) -> Prefetcher: ...
     def __next__(self) -> Batch: ...

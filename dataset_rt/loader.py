@@ -11,8 +11,9 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import polars as pl
@@ -27,6 +28,21 @@ from dataset_rt.errors import (
 )
 from dataset_rt.metadata import check_weights, link_columns
 from dataset_rt.pipeline import Collate, LoaderSpec, Transform, assemble
+from dataset_rt.program import (
+    Phase,
+    Program,
+    WeightSource,
+    check_phases,
+    phase_label,
+    phase_weights,
+    read_history,
+    record_reweight,
+    reweight_from_frame,
+    schedule_program,
+    seen_frame,
+    single_program,
+    write_weights,
+)
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
 
@@ -170,6 +186,14 @@ class Loader:
         with ``serializer="pickle"``) they are read-only views of the mapped shard
         (or of the batch's buffer, for records under 64 KiB), and the default collate
         stacks them into the batch tensor in one copy.
+    schedule
+        Weights that change with training progress: a list of :class:`Phase`, each
+        drawing from its own weights (a column, an expression or one value per row) until
+        a global draw count, held constant or blended linearly into the next weights. The
+        frame then needs no ``weight`` column. See ``docs/programs.md``.
+    history
+        Where :meth:`reweight` keeps the weight versions it makes, so that a loader's state
+        resumes after them; default ``.weights`` in the first cache's root directory.
     """
 
     def __init__(
@@ -191,6 +215,8 @@ class Loader:
         root: PathLike | None = None,
         verify: bool = False,
         copy: bool = False,
+        schedule: Sequence[Phase] | None = None,
+        history: PathLike | None = None,
     ) -> None:
         self._batch_size = _check_int("batch_size", batch_size, 1)
         self._num_workers = _check_int("num_workers", num_workers, 0)
@@ -205,6 +231,9 @@ class Loader:
                 )
             num_samples = _check_int("num_samples", num_samples, 1)
         self._rank, self._world_size = self._resolve_ranks(rank, world_size)
+        phases = None if schedule is None else check_phases(schedule)
+        if phases is not None and not self._shuffle:
+            raise ArgumentError("schedule= sets the weights of draws; it needs shuffle=True")
         if self._num_workers > 0:
             try:
                 import torch  # noqa: F401
@@ -214,13 +243,14 @@ class Loader:
                     "or use num_workers=0"
                 ) from None
 
-        saved = saved_plan(frame, bool(verify)) if self._shuffle else None
+        saved = saved_plan(frame, bool(verify)) if self._shuffle and phases is None else None
+        program = None
         if saved is not None:
             # An unchanged cache.scan(): its version's plan was written when it was saved.
             caches, (plan, digest, self._rows) = [saved[0]], saved[1:]
         else:
-            caches, plan, digest = self._write_plan(frame, root)
-            if self._shuffle:
+            caches, plan, digest, program = self._write_plan(frame, root, phases)
+            if self._shuffle and phases is None:
                 restore_saved_plan(frame, plan)  # a scan whose saved plan was lost or damaged
         # Held for the loader's life: each epoch's native reader shares their mappings of
         # the shards, so pages mapped in one epoch stay mapped for the next.
@@ -237,6 +267,15 @@ class Loader:
 
         ids_digest = hashlib.sha256("\n".join(c.cache_id for c in caches).encode()).hexdigest()
         self._fingerprint = f"{digest}-{ids_digest[:16]}"
+        if program is not None:
+            self._fingerprint += f"-{program.fingerprint[:16]}"
+        # The weights of every draw: the schedule's program (None: the plan's own table),
+        # then each re-weight in order (their history's newest entry is _history_head).
+        self._base_program = program
+        self._plan_digest = digest
+        self._history_dir = Path(history) if history is not None else caches[0].root / ".weights"
+        self._history_head: str | None = None
+        self._versions = 0
         self._spec = LoaderSpec(
             plan=plan,
             cache_dirs=tuple(str(c.path) for c in caches),
@@ -250,13 +289,11 @@ class Loader:
             verify=bool(verify),
             views=views,
             remotes=tuple(self._remote(c) for c in caches),
+            program=None if program is None else program.native,
         )
+        self._program = program
         self._packed = b""
-        if self._num_workers > 0:
-            from dataset_rt.workers import pack
-
-            # Packed once, here, so that a function workers cannot receive fails now.
-            self._packed = pack(self._spec)
+        self._pack()
         self._epoch = 0
         self._cursor = 0
         # Set by load_state_dict: the next iteration continues from the loaded position,
@@ -264,23 +301,46 @@ class Loader:
         self._resuming = False
         self._stats = LoaderStats()
 
+    def _pack(self) -> None:
+        if self._num_workers > 0:
+            from dataset_rt.workers import pack
+
+            # Packed here, so that a function workers cannot receive fails now.
+            self._packed = pack(self._spec)
+
     def _write_plan(
-        self, frame: pl.DataFrame | pl.LazyFrame, root: PathLike | None
-    ) -> tuple[list[Cache], str, str]:
+        self,
+        frame: pl.DataFrame | pl.LazyFrame,
+        root: PathLike | None,
+        phases: list[Phase] | None,
+    ) -> tuple[list[Cache], str, str, Program | None]:
         """Snapshots the frame into a plan file of this loader's own.
 
-        Returns the caches, the plan's path and its digest.
+        With a schedule, its phases' weight tables are written beside the plan. Returns
+        the caches, the plan's path, its digest and the schedule's program.
         """
         data = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
         if not isinstance(data, pl.DataFrame):
             raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
-        caches, plan_frame = self._snapshot(data, root)
+        caches, plan_frame, more = self._snapshot(data, root, phases)
         self._rows = plan_frame.height
         directory = _plan_dir()
         weakref.finalize(self, shutil.rmtree, directory, True)
         plan = os.path.join(directory, "plan.bin")
         digest = _native.write_plan(plan, plan_frame, len(caches), self._shuffle)
-        return caches, plan, digest
+        if phases is None:
+            return caches, plan, digest, None
+        tables = []
+        for j, weights in enumerate(more):
+            path = os.path.join(directory, f"weights-{j}.bin")
+            tables.append((path, write_weights(path, weights)))
+        # Table 0 is the plan's own (the first phase's weights); the others follow in the
+        # order _snapshot computed them: each phase's blend target after the phases.
+        targets = iter(range(len(phases), len(phases) + len(more)))
+        table_of_phase = [
+            (i, None if phase.to is None else next(targets)) for i, phase in enumerate(phases)
+        ]
+        return caches, plan, digest, schedule_program(phases, plan, digest, tables, table_of_phase)
 
     def stats(self) -> LoaderStats:
         """A copy of the loader's running counters: samples, bytes, waits and stage times.
@@ -308,9 +368,10 @@ class Loader:
         return _check_int("rank", rank, 0, world_size - 1), world_size
 
     def _snapshot(
-        self, data: pl.DataFrame, root: PathLike | None
-    ) -> tuple[list[Cache], pl.DataFrame]:
-        needed = ["cache_id", "sample_id"] + (["weight"] if self._shuffle else [])
+        self, data: pl.DataFrame, root: PathLike | None, phases: list[Phase] | None
+    ) -> tuple[list[Cache], pl.DataFrame, list[pl.Series]]:
+        weighted = self._shuffle and phases is None
+        needed = ["cache_id", "sample_id"] + (["weight"] if weighted else [])
         missing = [c for c in needed if c not in data.columns]
         if missing:
             raise MetadataError(
@@ -348,9 +409,22 @@ class Loader:
                     f"sample_id {bad} is not a sample of cache {cache.name!r} "
                     f"({len(cache)} samples)"
                 )
-        if self._shuffle:
+        more: list[pl.Series] = []
+        if weighted:
             columns["weight"] = check_weights(data["weight"], ids)
-        return caches, pl.DataFrame(columns)
+        elif phases is not None:
+            # The first phase's weights go into the plan; the other phases' and the blends'
+            # targets into tables of their own, in that order.
+            sources = [(i, "weights", p.weights) for i, p in enumerate(phases)]
+            sources += [(i, "to", p.to) for i, p in enumerate(phases) if p.to is not None]
+            weights = [
+                phase_weights(data, ids, w, f"schedule[{i}].{what} ({phase_label(phases, i)})")
+                for i, what, w in sources
+                if w is not None
+            ]
+            columns["weight"] = weights[0]
+            more = weights[1:]
+        return caches, pl.DataFrame(columns), more
 
     @staticmethod
     def _remote(cache: Cache) -> RemoteSource | None:
@@ -372,6 +446,7 @@ class Loader:
             schedule,
             seed=spec.seed,
             epoch=self._epoch,
+            program=spec.program,
         )
         fetched = [(copies[code], file, batch) for code, file, batch in order if copies[code]]
         limits = [r.local_limit for r in spec.remotes if r is not None and r.local_limit]
@@ -430,8 +505,10 @@ class Loader:
 
         It records the epoch and the first position of the epoch's global stream that no
         rank has consumed, so it resumes at any world size, worker count or batch size.
+        After :meth:`reweight`, it also names the newest re-weight in the ``history``
+        directory, from which :meth:`load_state_dict` brings every weight version back.
         """
-        return {
+        state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "epoch": self._epoch,
             "position": self._cursor,
@@ -440,15 +517,23 @@ class Loader:
             "shuffle": self._shuffle,
             "plan": self._fingerprint,
         }
+        if self._history_head is not None:
+            state["history"] = self._history_head  # the newest re-weight
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from a position saved by :meth:`state_dict`, in O(1).
 
+        A state saved after :meth:`reweight` brings its weight versions back from the
+        loader's ``history`` directory (each checked against its checksum), whatever this
+        loader's own re-weights were.
+
         Raises
         ------
         LoaderStateError
-            The state does not come from a loader over the same rows, weights, seed and
-            epoch length.
+            The state does not come from a loader over the same rows, weights, schedule,
+            seed and epoch length, or its re-weights cannot be found or are damaged. The
+            loader is left as it was.
         """
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise LoaderStateError(f"not a dataset_rt loader state: {state!r}")
@@ -463,12 +548,172 @@ class Loader:
                     f"the state's {key} is {state.get(key)!r} but this loader's is {mine!r}: "
                     "it was saved by a loader over other rows, weights or settings"
                 )
-        self._epoch = _check_int("epoch", state["epoch"], 0, 2**63 - 1)
-        self._cursor = _check_int("position", state["position"], 0, self._total)
+        epoch = _check_int("epoch", state["epoch"], 0, 2**63 - 1)
+        cursor = _check_int("position", state["position"], 0, self._total)
+        head = state.get("history")
+        if head != self._history_head:
+            if head is not None and not isinstance(head, str):
+                raise LoaderStateError(f"the state's history is {head!r}, not a re-weight id")
+            chain = (
+                []
+                if head is None
+                else read_history(self._history_dir, head, self._fingerprint, self._rows)
+            )
+            program = self._base_program
+            for version, (start, table, digest) in enumerate(chain, start=1):
+                program = (program or self._plain_program()).with_segment(
+                    start, table, digest, version
+                )
+            self._set_program(program, head, len(chain))
+        self._epoch, self._cursor = epoch, cursor
         self._resuming = True
+
+    # -- the weights over the run ---------------------------------------------------------------
+    def _plain_program(self) -> Program:
+        return single_program(self._spec.plan, self._plan_digest)
+
+    def _set_program(self, program: Program | None, head: str | None, versions: int) -> None:
+        self._program, self._history_head, self._versions = program, head, versions
+        native = None if program is None else program.native
+        self._spec = dataclasses.replace(self._spec, program=native)
+        self._pack()
+
+    def reweight(
+        self, weights: WeightSource | pl.DataFrame | pl.LazyFrame, *, step: int | None = None
+    ) -> None:
+        """Draws by new weights from the next epoch on, or from ``step`` of this epoch.
+
+        Draws before that point are unchanged, so a state saved at any point resumes the
+        same stream. The new weights are written once, to the loader's ``history``
+        directory, where every worker and rank maps them and :meth:`load_state_dict` finds
+        them again. A loader being iterated switches at that point: batches read ahead are
+        read again by the new weights.
+
+        Parameters
+        ----------
+        weights
+            One weight per row of the loader's frame, in its order (a Series, list or
+            array), or a frame with ``cache_id``, ``sample_id`` and ``weight`` giving every
+            row of the loader its weight, such as the metadata joined with per-sample losses.
+        step
+            A batch of the current epoch (counted from the epoch's start, as
+            :meth:`seen` counts) not yet drawn; default the start of the next epoch this
+            loader has not begun.
+
+        Raises
+        ------
+        WeightError
+            Negative, NaN, infinite, missing or all-zero weights.
+        MetadataError
+            A frame with rows the loader does not have, or without a weight for some row.
+        ArgumentError
+            ``step`` has already been drawn, or the loader does not shuffle.
+        """
+        if not self._shuffle:
+            raise ArgumentError(
+                "reweight applies to shuffled loaders; shuffle=False draws no weights"
+            )
+        start = self._reweight_start(step)
+        series = self._row_weights(weights)
+        entry, table, digest = record_reweight(
+            self._history_dir, self._history_head, self._fingerprint, start, series
+        )
+        program = (self._program or self._plain_program()).with_segment(
+            start, table, digest, self._versions + 1
+        )
+        self._set_program(program, entry, self._versions + 1)
+
+    def _reweight_start(self, step: int | None) -> int:
+        first = self._epoch * self._total
+        if step is None:
+            # The next epoch not begun: this one while nothing of it is consumed.
+            return first + (self._total if self._cursor > 0 else 0)
+        step = _check_int("step", step, 0)
+        position = step * self._batch_size * self._world_size
+        if position < self._cursor:
+            raise ArgumentError(
+                f"step {step} of epoch {self._epoch} has been drawn already (the loader is at "
+                f"position {self._cursor}): re-weight at a later step, or at the next epoch"
+            )
+        if position >= self._total:
+            raise ArgumentError(
+                f"step {step} is past the end of the epoch ({len(self)} steps); leave step "
+                "out to re-weight from the next epoch"
+            )
+        return first + position
+
+    def _row_weights(self, weights: WeightSource | pl.DataFrame | pl.LazyFrame) -> pl.Series:
+        """The checked weights of the loader's rows, in its order."""
+        if isinstance(weights, pl.LazyFrame):
+            weights = weights.collect()
+        if isinstance(weights, (str, pl.Expr)):
+            raise ArgumentError(
+                "a loader keeps no copy of its frame to evaluate a column on: pass the "
+                "weights (a Series, or a frame with cache_id, sample_id and weight)"
+            )
+        keys = self._keys()
+        if isinstance(weights, pl.DataFrame):
+            return reweight_from_frame(weights, keys)
+        return phase_weights(keys, keys["sample_id"], weights, "reweight")
+
+    def _keys(self) -> pl.DataFrame:
+        """The loader's rows as ``cache_id, sample_id``, in its order."""
+        rows = pl.DataFrame(_native.plan_samples(self._spec.plan))
+        ids = pl.Series("cache_id", self._spec.cache_ids, dtype=pl.String)
+        return pl.DataFrame(
+            {"cache_id": ids.gather(rows["cache"]), "sample_id": rows["sample_id"].cast(pl.Int64)}
+        )
+
+    def seen(
+        self, steps: int | range | None = None, *, epoch: int | None = None, all_ranks: bool = False
+    ) -> pl.DataFrame:
+        """What the model sees (or saw) in steps of an epoch, from the program alone.
+
+        One row per draw: ``epoch, step, rank, position, cache_id, sample_id, phase,
+        version``, where ``position`` is the draw's place in the epoch's global stream,
+        ``phase`` the schedule phase it falls in (``"reweight"`` after a re-weight) and
+        ``version`` the number of re-weights in force (0 before any). Steps are this rank's
+        batches counted from the start of the epoch at the loader's batch size and world
+        size; no payload is read. Join it with the metadata on ``cache_id, sample_id`` to
+        count exposure per source, or pass a step's ``sample_id`` to ``cache.get_many`` to
+        replay its batch.
+
+        Parameters
+        ----------
+        steps
+            A step or a ``range`` of steps; default every step of the epoch.
+        epoch
+            Default the loader's current epoch.
+        all_ranks
+            Every rank's draws, not only this rank's.
+        """
+        layout = self._schedule(0)
+        epoch = self._epoch if epoch is None else epoch
+        return seen_frame(self._spec, layout, self._program, epoch, steps, all_ranks)
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        self._rollover()
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        # A re-weight during iteration changes the draws from some point on: the batches
+        # read ahead are dropped and reading starts again, from the position reached, by
+        # the new weights (the draws before that point are the same under both).
+        while True:
+            spec = self._spec
+            batches = self._batches()
+            try:
+                for batch in batches:
+                    yield batch
+                    if self._spec is not spec:
+                        break
+                else:
+                    return
+            finally:
+                batches.close()
+
+    def _rollover(self) -> None:
         resuming, self._resuming = self._resuming, False
         if self._cursor >= self._total:
             # A finished epoch moves on to the next one, as a shuffling PyTorch DataLoader
@@ -479,6 +724,9 @@ class Loader:
             # An evaluation pass reads every row: one that stopped early (Lightning's sanity
             # check takes two batches) is not continued by the next iter(), which starts over.
             self._cursor = 0
+
+    def _batches(self) -> Generator[Any, None, None]:
+        """Batches of this rank's epoch from the cursor on, with the current weights."""
         schedule = self._schedule(self._cursor)
         if self._num_workers == 0:
             batches: Iterator[Any] = self._local(schedule)
@@ -537,7 +785,9 @@ class Loader:
         stats.collate_seconds += times[2]
         times[0] = times[1] = times[2] = 0.0
 
-    def _counted(self, schedule: _native.Schedule, batches: Iterator[Any]) -> Iterator[Any]:
+    def _counted(
+        self, schedule: _native.Schedule, batches: Iterator[Any]
+    ) -> Generator[Any, None, None]:
         consumed = 0
         shards = None
         try:

@@ -134,7 +134,7 @@ class _FrameMethods:
 
         The options (``shuffle``, ``seed``, ``num_samples``, ``decode``, ``transform``,
         ``collate``, ``num_workers``, ``prefetch``, ``drop_last``, ``rank``, ``world_size``,
-        ``root``, ``verify``, ``copy``) and their defaults are those of
+        ``root``, ``verify``, ``copy``, ``schedule``, ``history``) and their defaults are those of
         :class:`dataset_rt.Loader`, where each is described.
         """
         return Loader(self._frame, batch_size, **options)

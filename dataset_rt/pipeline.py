@@ -43,6 +43,9 @@ class LoaderSpec:
     remotes: tuple[Any, ...] = ()
     """Per cache, the :class:`~dataset_rt.fetch.RemoteSource` of a remote cache's local copy
     (None for a cache on disk): each process that reads it fetches its shards on first use."""
+    program: _native.Program | None = None
+    """The weights of each draw over the run (a schedule, re-weights); None: the plan's own
+    table for every draw."""
 
     def batches(
         self, schedule: _native.Schedule, epoch: int, first: int, step: int
@@ -65,6 +68,7 @@ class LoaderSpec:
             # Records with large out-of-band arrays are not copied into the batch: their
             # arrays view the shard, and collating is their one copy.
             views=self.views,
+            program=self.program,
         )
 
 

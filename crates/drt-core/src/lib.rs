@@ -21,6 +21,7 @@ pub mod mapping;
 pub mod metadata;
 pub mod plan;
 pub mod prefetch;
+pub mod program;
 pub mod reader;
 pub mod sampler;
 pub mod schedule;

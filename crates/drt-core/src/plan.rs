@@ -13,6 +13,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use memmap2::Mmap;
 
 use crate::error::{Error, IoContext, Result};
@@ -20,14 +22,16 @@ use crate::index::HashingWriter;
 use crate::sampler::{pick, AliasTable, EpochRandom, MAX_ROWS};
 
 const PLAN_MAGIC: &[u8; 8] = b"DRTPLAN1";
-const HEADER_LEN: usize = 64;
+/// The magic of a weight file (see [`crate::program`]).
+pub(crate) const TABLE_MAGIC: &[u8; 8] = b"DRTWGT01";
+pub(crate) const HEADER_LEN: usize = 64;
 const HAS_CACHES: u32 = 1;
 const WEIGHTED: u32 = 2;
 
 /// The rows of a loader: their samples and, when shuffling, the alias table of their weights.
 pub struct Plan {
     path: PathBuf,
-    map: Mmap,
+    map: Arc<Mmap>,
     rows: u64,
     caches: u32,
     cache_at: Option<usize>,
@@ -45,7 +49,7 @@ impl std::fmt::Debug for Plan {
 }
 
 /// Writes `values` as little-endian bytes, in place on little-endian machines.
-fn write_le<T: LeBytes>(out: &mut impl Write, values: &[T], path: &Path) -> Result<()> {
+pub(crate) fn write_le<T: LeBytes>(out: &mut impl Write, values: &[T], path: &Path) -> Result<()> {
     if cfg!(target_endian = "little") {
         // SAFETY: `T` is a plain integer type (see `LeBytes`): every byte of the slice is
         // initialised, u8 needs no alignment, and the bytes are already in file order.
@@ -62,7 +66,7 @@ fn write_le<T: LeBytes>(out: &mut impl Write, values: &[T], path: &Path) -> Resu
 }
 
 /// The integer types a plan holds.
-trait LeBytes: Copy {
+pub(crate) trait LeBytes: Copy {
     fn le_bytes(self) -> Vec<u8>;
 }
 
@@ -156,7 +160,7 @@ impl Plan {
         crate::ensure_intact!(map.len() == at, path, "plan file has the wrong size");
         Ok(Self {
             path: path.to_path_buf(),
-            map,
+            map: Arc::new(map),
             rows,
             caches,
             cache_at,
@@ -172,6 +176,12 @@ impl Plan {
     /// Number of caches the rows come from.
     pub fn caches(&self) -> u32 {
         self.caches
+    }
+
+    /// The plan's alias table, if it holds one.
+    pub fn table(&self) -> Option<MappedTable> {
+        self.table_at
+            .map(|at| MappedTable::new(self.map.clone(), at, self.rows))
     }
 
     /// Whether the plan holds an alias table (the loader shuffles).
@@ -216,6 +226,88 @@ impl Plan {
         id.copy_from_slice(&self.map[o..o + 8]);
         let cache = self.cache_at.map_or(0, |c| self.u32_at(c, row));
         (cache, u64::from_le_bytes(id))
+    }
+}
+
+/// An alias table in a mapped file (a weight file, or a plan's own table).
+#[derive(Clone)]
+pub struct MappedTable {
+    map: Arc<Mmap>,
+    /// Where the thresholds start; the aliases follow them.
+    at: usize,
+    rows: u64,
+}
+
+impl std::fmt::Debug for MappedTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedTable")
+            .field("rows", &self.rows)
+            .finish()
+    }
+}
+
+impl MappedTable {
+    /// The table of `rows` rows at `at` in `map`; the caller has checked the bounds.
+    pub(crate) fn new(map: Arc<Mmap>, at: usize, rows: u64) -> Self {
+        Self { map, at, rows }
+    }
+
+    /// Maps the table of a weight file from [`write_table`], or of a weighted plan.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).at(path)?;
+        // SAFETY: weight files are written to a temporary name and renamed into place once
+        // complete, and never modified afterwards; the size is checked against the header.
+        let map = unsafe { Mmap::map(&file) }.at(path)?;
+        if map.len() >= 8 && &map[..8] != TABLE_MAGIC {
+            return Plan::open(path)?
+                .table()
+                .ok_or_else(|| Error::corrupt(path, "the plan holds no weights"));
+        }
+        crate::ensure_intact!(
+            map.len() >= HEADER_LEN,
+            path,
+            "not a dataset_rt weight file"
+        );
+        let rows = u64::from_le_bytes(map[8..16].try_into().unwrap_or([0; 8]));
+        let expected = usize::try_from(rows)
+            .ok()
+            .and_then(|n| n.checked_mul(8))
+            .and_then(|n| n.checked_add(HEADER_LEN));
+        crate::ensure_intact!(
+            expected == Some(map.len()),
+            path,
+            "weight file has the wrong size"
+        );
+        Ok(Self::new(Arc::new(map), HEADER_LEN, rows))
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    #[inline]
+    fn u32_at(&self, base: usize, i: u64) -> u32 {
+        let o = base + 4 * i as usize;
+        u32::from_le_bytes([
+            self.map[o],
+            self.map[o + 1],
+            self.map[o + 2],
+            self.map[o + 3],
+        ])
+    }
+
+    /// The row that random bits `bits` select (as [`AliasTable::draw`] does).
+    #[inline]
+    pub fn draw(&self, bits: u64) -> u64 {
+        let n = self.rows;
+        let aliases = self.at + 4 * n as usize;
+        pick(
+            bits,
+            n,
+            |c| self.u32_at(self.at, c),
+            |c| self.u32_at(aliases, c),
+        )
     }
 }
 

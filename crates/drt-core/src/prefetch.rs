@@ -20,6 +20,7 @@ use std::thread::JoinHandle;
 use crate::error::{Error, Result};
 use crate::mapping::Span;
 use crate::plan::Plan;
+use crate::program::{row_at, Program};
 use crate::reader::CacheReader;
 use crate::sampler::EpochRandom;
 use crate::schedule::Schedule;
@@ -230,6 +231,12 @@ pub struct Source {
     pub caches: Arc<Vec<CacheReader>>,
     /// The epoch's random bits.
     pub random: EpochRandom,
+    /// The weights of each draw over the run, when they change with progress; `None`: the
+    /// plan's own table for every draw.
+    pub program: Option<Arc<Program>>,
+    /// The global number of the epoch's first draw (`epoch * total`), where the program
+    /// places this epoch.
+    pub first_draw: u64,
     /// This rank's part of the epoch.
     pub schedule: Schedule,
     /// Check every record against its checksum.
@@ -326,6 +333,8 @@ impl Source {
             plan: Arc::new(plan),
             caches: Arc::new(caches),
             random: EpochRandom::new(options.seed, options.epoch),
+            program: None,
+            first_draw: options.epoch.saturating_mul(schedule.total),
             schedule,
             verify: options.verify,
             recycler: Arc::default(),
@@ -352,9 +361,30 @@ impl Source {
         Ok(order)
     }
 
+    /// Draws from `program` instead of the plan's own table; its tables must draw from the
+    /// plan's rows.
+    pub fn with_program(mut self, program: Arc<Program>) -> Result<Self> {
+        if program.rows() != self.plan.rows() {
+            crate::bail_arg!(
+                "the sampling program draws from {} rows but the plan has {}",
+                program.rows(),
+                self.plan.rows()
+            );
+        }
+        self.program = Some(program);
+        Ok(self)
+    }
+
     /// The (cache, sample id) drawn at `position` of the epoch.
     fn draw(&self, position: u64) -> (u32, u64) {
-        self.plan.sample(self.plan.row_at(self.random, position))
+        let (row, _) = row_at(
+            &self.plan,
+            self.program.as_deref(),
+            self.random,
+            self.first_draw,
+            position,
+        );
+        self.plan.sample(row)
     }
 
     /// The reader of cache `cache` of the plan.
@@ -525,6 +555,8 @@ mod tests {
             plan: Arc::new(Plan::open(&plan_path).unwrap()),
             caches: Arc::new(vec![reader]),
             random: EpochRandom::new(0, 0),
+            program: None,
+            first_draw: 0,
             schedule: Schedule::new(20, 0, 0, 1, batch, false).unwrap(),
             verify: true,
             recycler: Arc::default(),
@@ -580,6 +612,8 @@ mod tests {
             plan: Arc::new(Plan::open(&plan_path).unwrap()),
             caches: Arc::new(vec![CacheReader::open(dir.path()).unwrap()]),
             random: EpochRandom::new(0, 0),
+            program: None,
+            first_draw: 0,
             schedule: Schedule::new(12, 0, 0, 1, 12, false).unwrap(),
             verify: true,
             recycler: Arc::default(),

@@ -6,11 +6,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use drt_core::fetch::{FetchError, Fetcher};
-use drt_core::prefetch::{Source, SourceOptions};
+use drt_core::prefetch::SourceOptions;
 use pyo3::prelude::*;
 
 use crate::errors::run;
-use crate::loader::PySchedule;
+use crate::loader::{open_source, PySchedule};
+use crate::program::PyProgram;
 
 /// A Python callable `fetch(file)`, called with the GIL from whichever thread reads the shard.
 struct PyFetcher {
@@ -43,7 +44,8 @@ pub fn unregister_fetcher(path: PathBuf) -> bool {
 /// once: `(cache, file, batch)`, `file` relative to `cache_dirs[cache]`, `batch` the first
 /// batch that reads it.
 #[pyfunction]
-#[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, *, seed, epoch))]
+#[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, *, seed, epoch, program=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn epoch_shards(
     py: Python<'_>,
     plan_path: PathBuf,
@@ -52,6 +54,7 @@ pub fn epoch_shards(
     schedule: &PySchedule,
     seed: u64,
     epoch: u64,
+    program: Option<&PyProgram>,
 ) -> PyResult<Vec<(u32, String, u64)>> {
     let schedule = schedule.inner;
     let options = SourceOptions {
@@ -60,8 +63,16 @@ pub fn epoch_shards(
         verify: false,
         views: false,
     };
+    let program = program.map(|p| p.inner.clone());
     run(py, || {
-        let source = Source::open(&plan_path, &cache_dirs, &cache_ids, schedule, options)?;
-        source.shards_in_order()
+        open_source(
+            &plan_path,
+            &cache_dirs,
+            &cache_ids,
+            schedule,
+            options,
+            program,
+        )?
+        .shards_in_order()
     })
 }

@@ -13,6 +13,7 @@ mod loader;
 mod lock;
 mod manifest;
 mod metadata;
+mod program;
 mod reader;
 mod store;
 
@@ -43,6 +44,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<loader::PyBatch>()?;
     m.add_class::<loader::PyMappedRecord>()?;
     m.add_class::<loader::PyPrefetcher>()?;
+    m.add_class::<program::PyProgram>()?;
+    m.add_class::<program::PyColumns>()?;
+    m.add_function(wrap_pyfunction!(program::write_table, m)?)?;
+    m.add_function(wrap_pyfunction!(program::file_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(program::draws_at, m)?)?;
+    m.add_function(wrap_pyfunction!(program::plan_samples, m)?)?;
     m.add_function(wrap_pyfunction!(store::validate_name, m)?)?;
     m.add_function(wrap_pyfunction!(store::file_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(store::metadata_file, m)?)?;

@@ -2,12 +2,14 @@
 
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use arrow_array::types::{Float64Type, UInt32Type};
 use drt_core::format::OOB_MAGIC;
 use drt_core::mapping::Span;
 use drt_core::plan::Plan;
 use drt_core::prefetch::{Batch, Prefetcher, Source, SourceOptions};
+use drt_core::program::Program;
 use drt_core::schedule::Schedule;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -15,6 +17,7 @@ use pyo3::types::{PyBytes, PyList, PyMemoryView};
 
 use crate::arrow::{index_column, primitive_column, read_arrow};
 use crate::errors::{run, to_py};
+use crate::program::PyProgram;
 
 /// Writes a loader plan from a frame with `sample_id` (Int64 or UInt64, non-negative),
 /// `cache` (UInt32, when there are several caches) and `weight` (Float64, when `weighted`);
@@ -60,6 +63,23 @@ pub fn plan_rows(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u32, bool)> {
     })
 }
 
+/// Opens what a loader's reading of one epoch needs: its plan, its caches and, when its
+/// weights change with progress, its sampling program.
+pub fn open_source(
+    plan: &std::path::Path,
+    cache_dirs: &[PathBuf],
+    cache_ids: &[String],
+    schedule: Schedule,
+    options: SourceOptions,
+    program: Option<Arc<Program>>,
+) -> drt_core::Result<Source> {
+    let source = Source::open(plan, cache_dirs, cache_ids, schedule, options)?;
+    match program {
+        Some(program) => source.with_program(program),
+        None => Ok(source),
+    }
+}
+
 #[pyclass(name = "Schedule", module = "dataset_rt._native", frozen)]
 pub struct PySchedule {
     pub(crate) inner: Schedule,
@@ -103,6 +123,21 @@ impl PySchedule {
     #[getter]
     fn cursor(&self) -> u64 {
         self.inner.cursor
+    }
+
+    #[getter]
+    fn rank(&self) -> u64 {
+        self.inner.rank
+    }
+
+    #[getter]
+    fn world_size(&self) -> u64 {
+        self.inner.world_size
+    }
+
+    #[getter]
+    fn batch_size(&self) -> u64 {
+        self.inner.batch_size
     }
 
     #[getter]
@@ -386,7 +421,7 @@ impl PyPrefetcher {
     /// `cache_dirs[i]` must hold the build `cache_ids[i]`. With `views`, records with large
     /// out-of-band buffers stay in their mapped shard instead of being copied into the batch.
     #[new]
-    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, *, seed, epoch, first, step, depth, verify, views))]
+    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, *, seed, epoch, first, step, depth, verify, views, program=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -401,6 +436,7 @@ impl PyPrefetcher {
         depth: usize,
         verify: bool,
         views: bool,
+        program: Option<&PyProgram>,
     ) -> PyResult<Self> {
         let schedule = schedule.inner;
         let options = SourceOptions {
@@ -409,8 +445,16 @@ impl PyPrefetcher {
             verify,
             views,
         };
+        let program = program.map(|p| p.inner.clone());
         let prefetcher = run(py, || {
-            let source = Source::open(&plan_path, &cache_dirs, &cache_ids, schedule, options)?;
+            let source = open_source(
+                &plan_path,
+                &cache_dirs,
+                &cache_ids,
+                schedule,
+                options,
+                program,
+            )?;
             let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
             Prefetcher::start(source, numbers, depth)
         })?;

@@ -1,0 +1,335 @@
+//! Sampling programs: which weights each draw of a loader uses, over the whole run.
+//!
+//! A loader without a program draws position `k` of epoch `e` from one alias table (the
+//! plan's). A program generalises that to weights that change with training progress: the
+//! run's draws are numbered globally, `g = e * total + k` (`total` draws per epoch), and
+//! cut into segments at increasing starts. A segment draws from one table, or blends two
+//! linearly across its span: draw `g` of a blend from table `a` to table `b` over
+//! `[start, end)` comes from `b` with probability `(g - start) / (end - start)`, so the
+//! probability of a row moves linearly from its share under `a` to its share under `b`.
+//!
+//! Draw `g` stays a pure function of `(seed, e, k)` and the program: nothing is replayed
+//! to reach it, so resuming anywhere (mid-phase, at another world size or worker count)
+//! is O(1). A segment of one table uses exactly the random bits a loader without a program
+//! uses, so a single-phase program draws what the plain loader draws.
+//!
+//! Tables live in files mapped by every process that reads for the loader: the plan's own
+//! table, or weight files written by [`write_table`]:
+//!
+//! ```text
+//! header (64 bytes): TABLE_MAGIC, rows u64 | threshold u32[rows] | alias u32[rows]
+//! ```
+
+use std::io::Write;
+use std::path::Path;
+
+use memmap2::Mmap;
+
+use crate::error::{IoContext, Result};
+use crate::index::HashingWriter;
+use crate::plan::{write_le, MappedTable, Plan, TABLE_MAGIC};
+use crate::sampler::{mix64, AliasTable, EpochRandom};
+
+const HEADER_LEN: usize = crate::plan::HEADER_LEN;
+
+/// Writes the alias table of `weights` to `path`, crash-safely: to a temporary name first,
+/// synced, then renamed. Returns the xxh3-64 of the file. Errors name `column` and the
+/// first bad weight's row.
+pub fn write_table(path: &Path, weights: &[f64], column: &str) -> Result<u64> {
+    let table = AliasTable::new(weights, column)?;
+    let partial = path.with_extension("partial");
+    let file = std::fs::File::create(&partial).at(&partial)?;
+    let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(1 << 20, file));
+    let mut header = [0u8; HEADER_LEN];
+    header[..8].copy_from_slice(TABLE_MAGIC);
+    header[8..16].copy_from_slice(&(weights.len() as u64).to_le_bytes());
+    out.write_all(&header).at(&partial)?;
+    write_le(&mut out, &table.threshold, &partial)?;
+    write_le(&mut out, &table.alias, &partial)?;
+    let (_, digest, inner) = out.finish();
+    let file = inner
+        .into_inner()
+        .map_err(|e| e.into_error())
+        .at(&partial)?;
+    file.sync_all().at(&partial)?;
+    std::fs::rename(&partial, path).at(path)?;
+    Ok(digest)
+}
+
+/// The xxh3-64 of a whole file, as [`write_table`] returns it.
+pub fn file_digest(path: &Path) -> Result<u64> {
+    let file = std::fs::File::open(path).at(path)?;
+    // SAFETY: read once, front to back; a file that changes meanwhile hashes differently,
+    // which is what the caller checks for.
+    let map = unsafe { Mmap::map(&file) }.at(path)?;
+    Ok(xxhash_rust::xxh3::xxh3_64(&map))
+}
+
+/// A run of global draws, from `start` to the next segment's start, with the same weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// The first global draw of the segment.
+    pub start: u64,
+    /// The table drawn from (an index into the program's tables).
+    pub from: u32,
+    /// For a linear blend: the table the segment blends into, and the global draw by which
+    /// the blend is complete (from then on, the segment draws from that table).
+    pub to: Option<(u32, u64)>,
+}
+
+/// The weights of every draw of a run: segments over the global draw count.
+#[derive(Debug, Clone)]
+pub struct Program {
+    tables: Vec<MappedTable>,
+    segments: Vec<Segment>,
+}
+
+/// Random bits for a blend's choice between its two tables, independent of the bits the
+/// table's column and coin come from.
+const BLEND: u64 = 0x8cb9_2ba7_2f3d_8dd7;
+
+impl Program {
+    /// Checks that the segments start at draw 0 in increasing order, that blends end after
+    /// they start, and that the tables exist and hold the same rows.
+    pub fn new(tables: Vec<MappedTable>, segments: Vec<Segment>) -> Result<Self> {
+        let Some(first) = segments.first() else {
+            crate::bail_arg!("a sampling program needs at least one segment");
+        };
+        if first.start != 0 {
+            crate::bail_arg!(
+                "the first segment must start at draw 0, not {}",
+                first.start
+            );
+        }
+        for pair in segments.windows(2) {
+            if pair[1].start <= pair[0].start {
+                crate::bail_arg!(
+                    "segments must start in increasing order: {} follows {}",
+                    pair[1].start,
+                    pair[0].start
+                );
+            }
+        }
+        for s in &segments {
+            if let Some((_, end)) = s.to {
+                if end <= s.start {
+                    crate::bail_arg!(
+                        "the blend from draw {} must end after it, not at {end}",
+                        s.start
+                    );
+                }
+            }
+            for t in std::iter::once(s.from).chain(s.to.map(|(t, _)| t)) {
+                if t as usize >= tables.len() {
+                    crate::bail_arg!("segment at {} uses table {t} of {}", s.start, tables.len());
+                }
+            }
+        }
+        if let Some(t) = tables.iter().find(|t| t.rows() != tables[0].rows()) {
+            crate::bail_arg!(
+                "the program's tables differ in rows: {} and {}",
+                tables[0].rows(),
+                t.rows()
+            );
+        }
+        Ok(Self { tables, segments })
+    }
+
+    /// Rows the tables draw from.
+    pub fn rows(&self) -> u64 {
+        self.tables.first().map_or(0, MappedTable::rows)
+    }
+
+    /// The index of the segment holding global draw `g`.
+    #[inline]
+    pub fn segment_of(&self, g: u64) -> usize {
+        self.segments.partition_point(|s| s.start <= g) - 1
+    }
+
+    /// The row of global draw `g`, which is position `position` of its epoch drawn with
+    /// `random`, and the segment it falls in.
+    #[inline]
+    pub fn draw(&self, random: EpochRandom, g: u64, position: u64) -> (u64, u32) {
+        let i = self.segment_of(g);
+        let segment = self.segments[i];
+        let bits = random.bits(position);
+        let table = match segment.to {
+            None => segment.from,
+            Some((to, end)) => {
+                let t = (g - segment.start) as f64 / (end - segment.start) as f64;
+                let u = (mix64(bits ^ BLEND) >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+                if u < t {
+                    to
+                } else {
+                    segment.from
+                }
+            }
+        };
+        (self.tables[table as usize].draw(bits), i as u32)
+    }
+}
+
+/// Draws of an epoch at chosen positions, with the samples they select.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Drawn {
+    /// The positions, in the order asked for.
+    pub positions: Vec<u64>,
+    /// The plan row each position drew.
+    pub rows: Vec<u64>,
+    /// Each row's cache code.
+    pub caches: Vec<u32>,
+    /// Each row's sample id.
+    pub sample_ids: Vec<u64>,
+    /// The program segment of each draw (0 without a program).
+    pub segments: Vec<u32>,
+}
+
+/// The row at `position` of an epoch whose first global draw is `first`: from the program
+/// when there is one, else from the plan (its table, or rows in order).
+#[inline]
+pub fn row_at(
+    plan: &Plan,
+    program: Option<&Program>,
+    random: EpochRandom,
+    first: u64,
+    position: u64,
+) -> (u64, u32) {
+    match program {
+        Some(p) => p.draw(random, first.saturating_add(position), position),
+        None => (plan.row_at(random, position), 0),
+    }
+}
+
+/// What positions `positions` of epoch `epoch` (of `total` draws) draw under `seed`.
+pub fn draw_positions(
+    plan: &Plan,
+    program: Option<&Program>,
+    seed: u64,
+    epoch: u64,
+    total: u64,
+    positions: impl Iterator<Item = u64>,
+) -> Drawn {
+    let random = EpochRandom::new(seed, epoch);
+    let first = epoch.saturating_mul(total);
+    let mut out = Drawn::default();
+    for position in positions {
+        let (row, segment) = row_at(plan, program, random, first, position);
+        let (cache, sample_id) = plan.sample(row);
+        out.positions.push(position);
+        out.rows.push(row);
+        out.caches.push(cache);
+        out.sample_ids.push(sample_id);
+        out.segments.push(segment);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(dir: &Path, name: &str, weights: &[f64]) -> MappedTable {
+        let path = dir.join(name);
+        write_table(&path, weights, "w").unwrap();
+        MappedTable::open(&path).unwrap()
+    }
+
+    #[test]
+    fn a_weight_file_draws_what_the_in_memory_table_draws() {
+        let dir = tempfile::tempdir().unwrap();
+        let weights: Vec<f64> = (0..500).map(|i| (i % 9) as f64).collect();
+        let mapped = table(dir.path(), "w", &weights);
+        let memory = AliasTable::new(&weights, "w").unwrap();
+        let random = EpochRandom::new(4, 2);
+        for k in 0..5000 {
+            assert_eq!(mapped.draw(random.bits(k)), memory.draw(random.bits(k)));
+        }
+        assert_eq!(
+            file_digest(&dir.path().join("w")).unwrap(),
+            write_table(&dir.path().join("w2"), &weights, "w").unwrap()
+        );
+    }
+
+    #[test]
+    fn a_single_segment_draws_what_the_plan_draws() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan");
+        let ids: Vec<u64> = (0..300).collect();
+        let weights: Vec<f64> = (0..300).map(|i| 1.0 + (i % 5) as f64).collect();
+        Plan::write(&path, &ids, None, Some(&weights)).unwrap();
+        let plan = Plan::open(&path).unwrap();
+        let program = Program::new(
+            vec![MappedTable::open(&path).unwrap()],
+            vec![Segment {
+                start: 0,
+                from: 0,
+                to: None,
+            }],
+        )
+        .unwrap();
+        let plain = draw_positions(&plan, None, 9, 3, 300, 0..1000);
+        let programmed = draw_positions(&plan, Some(&program), 9, 3, 300, 0..1000);
+        assert_eq!(plain.rows, programmed.rows);
+    }
+
+    #[test]
+    fn phases_switch_at_their_starts_and_blends_move_linearly() {
+        let dir = tempfile::tempdir().unwrap();
+        // Table 0 draws only row 0, table 1 only row 1.
+        let only0 = table(dir.path(), "a", &[1.0, 0.0]);
+        let only1 = table(dir.path(), "b", &[0.0, 1.0]);
+        let segments = vec![
+            Segment {
+                start: 0,
+                from: 0,
+                to: None,
+            },
+            Segment {
+                start: 100,
+                from: 0,
+                to: Some((1, 100_100)),
+            },
+            Segment {
+                start: 100_100,
+                from: 1,
+                to: None,
+            },
+        ];
+        let program = Program::new(vec![only0, only1], segments).unwrap();
+        let random = EpochRandom::new(0, 0);
+        assert!((0..100).all(|g| program.draw(random, g, g) == (0, 0)));
+        assert!((100_100..100_200).all(|g| program.draw(random, g, g) == (1, 2)));
+        // Across the blend, the share of row 1 grows linearly from 0 to 1.
+        for quarter in 0..4u64 {
+            let from = 100 + quarter * 25_000;
+            let ones = (from..from + 25_000)
+                .filter(|&g| program.draw(random, g, g).0 == 1)
+                .count() as f64;
+            let expected = 25_000.0 * (quarter as f64 + 0.5) / 4.0;
+            assert!(
+                (ones - expected).abs() < 5.0 * 25_000f64.sqrt(),
+                "{quarter}: {ones}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_programs_and_damaged_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = table(dir.path(), "a", &[1.0, 2.0]);
+        let seg = |start, to| Segment { start, from: 0, to };
+        assert!(Program::new(vec![t.clone()], vec![]).is_err());
+        assert!(Program::new(vec![t.clone()], vec![seg(5, None)]).is_err());
+        assert!(Program::new(vec![t.clone()], vec![seg(0, None), seg(0, None)]).is_err());
+        assert!(Program::new(vec![t.clone()], vec![seg(0, Some((0, 0)))]).is_err());
+        assert!(Program::new(vec![t.clone()], vec![seg(0, Some((3, 9))), seg(9, None)]).is_err());
+        let other = table(dir.path(), "b", &[1.0, 2.0, 3.0]);
+        assert!(Program::new(vec![t, other], vec![seg(0, None)]).is_err());
+        let path = dir.path().join("a");
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 4]).unwrap();
+        assert!(MappedTable::open(&path).is_err());
+        assert!(write_table(&dir.path().join("c"), &[0.0, 0.0], "w").is_err());
+        assert!(!dir.path().join("c").exists());
+    }
+}

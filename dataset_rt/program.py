@@ -1,0 +1,441 @@
+"""A loader's weights over the whole run: schedules of phases, and re-weights from the loop.
+
+The run's draws are numbered globally: draw ``k`` of epoch ``e`` is draw
+``g = e * num_samples + k``. A :class:`Program` cuts that count into segments, each drawing
+from one weight table or blending two linearly; the native reader finds draw ``g``'s
+segment by itself, so resuming anywhere stays O(1). Tables are alias-table files mapped by
+every process that reads for the loader (the loader's own plan holds the first).
+
+Re-weights append to a history kept in a directory (by default ``.weights`` beside the
+first cache): each entry names its predecessor, the draw it takes effect at and its table's
+checksum, and is named by the hash of all that, so a loader's state needs only the newest
+entry's name to rebuild every version before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from dataset_rt import _native
+from dataset_rt.errors import ArgumentError, LoaderStateError, MetadataError, WeightError
+from dataset_rt.metadata import check_weights, link_columns
+from dataset_rt.pipeline import LoaderSpec
+
+__all__ = [
+    "Phase",
+    "Program",
+    "WeightSource",
+    "check_phases",
+    "phase_weights",
+    "reweight_from_frame",
+    "seen_frame",
+]
+
+WeightSource = str | pl.Expr | pl.Series | Sequence[float]
+"""Weights for every row of a loader's frame: a column name, an expression evaluated on the
+frame, or one value per row (a Series, a list, a NumPy array) in the frame's row order."""
+
+HISTORY_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a loader's ``schedule``: the weights its draws use, and until when.
+
+    A schedule is a list of phases in order. Each starts where the previous one ends (the
+    first at draw 0) and lasts ``until`` the global draw count reaches ``until`` (the
+    draws of all ranks, over all epochs: ``epoch * num_samples + position``); the last may
+    leave ``until`` out and lasts for the rest of the run. With ``to``, the phase blends
+    linearly: a row's probability moves from its share under ``weights`` at the phase's
+    first draw to its share under ``to`` at its end.
+
+    Parameters
+    ----------
+    weights
+        A column of the loader's frame (its name or an expression), or one weight per row.
+    until
+        The global draw at which the next phase starts; ``None`` for the last phase.
+    to
+        Weights to blend into by the end of the phase (which then needs ``until``).
+    name
+        A label for the phase in :meth:`Loader.seen`; default ``"phase <i>"``.
+    """
+
+    weights: WeightSource
+    until: int | None = None
+    to: WeightSource | None = None
+    name: str | None = None
+
+
+def check_phases(schedule: object) -> list[Phase]:
+    """The schedule as a list of phases, after checking their order and bounds."""
+    if isinstance(schedule, Phase) or not isinstance(schedule, Sequence) or not schedule:
+        raise ArgumentError(
+            f"schedule must be a non-empty list of dataset_rt.Phase, got {schedule!r}"
+        )
+    phases = list(schedule)
+    start = 0
+    for i, phase in enumerate(phases):
+        if not isinstance(phase, Phase):
+            raise ArgumentError(f"schedule[{i}] must be a dataset_rt.Phase, got {phase!r}")
+        last = i == len(phases) - 1
+        if phase.until is None:
+            if not last:
+                raise ArgumentError(
+                    f"schedule[{i}] has no 'until' but is not the last phase: every phase "
+                    "but the last says where it ends"
+                )
+            if phase.to is not None:
+                raise ArgumentError(
+                    f"schedule[{i}] blends to other weights, so it needs 'until' (where the "
+                    "blend ends)"
+                )
+            continue
+        until = phase.until
+        if isinstance(until, bool) or not isinstance(until, int):
+            raise ArgumentError(f"schedule[{i}].until must be an integer, got {until!r}")
+        if until <= start:
+            raise ArgumentError(
+                f"schedule[{i}] ends at draw {until}, not after its start at draw {start}: "
+                "phases must be in order and must not overlap"
+            )
+        start = until
+    return phases
+
+
+def phase_label(phases: Sequence[Phase], i: int) -> str:
+    return phases[i].name or f"phase {i}"
+
+
+def phase_weights(
+    frame: pl.DataFrame, ids: pl.Series, source: WeightSource, label: str
+) -> pl.Series:
+    """The checked Float64 weights that ``source`` gives the frame's rows."""
+    try:
+        if isinstance(source, str):
+            if source not in frame.columns:
+                raise MetadataError(
+                    f"{label}: the frame has no column {source!r} (its columns: "
+                    f"{', '.join(frame.columns)})"
+                )
+            weights = frame[source]
+        elif isinstance(source, pl.Expr):
+            weights = frame.select(source).to_series()
+        else:
+            weights = pl.Series(source)
+        if weights.len() != frame.height:
+            raise WeightError(
+                f"{label}: {weights.len()} weights for a frame of {frame.height} rows"
+            )
+        return check_weights(weights, ids)
+    except WeightError as exc:
+        if str(exc).startswith(label):
+            raise
+        raise WeightError(f"{label}: {exc}") from None
+    except pl.exceptions.PolarsError as exc:
+        raise MetadataError(f"{label}: the weights could not be computed: {exc}") from exc
+
+
+def write_weights(path: str | os.PathLike[str], weights: pl.Series) -> str:
+    """Writes the alias table of ``weights`` (checked Float64) to ``path``; returns its digest."""
+    return _native.write_table(path, pl.DataFrame({"weight": weights}), "weight")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Draws from ``start`` on use table ``table`` (blending into ``to`` by ``end``)."""
+
+    start: int
+    table: int
+    to: int | None
+    end: int | None
+    phase: str
+    version: int
+
+    def native(self) -> tuple[int, int, tuple[int, int] | None]:
+        blend = None if self.to is None or self.end is None else (self.to, self.end)
+        return (self.start, self.table, blend)
+
+
+class Program:
+    """The segments of a loader's draws over the run, and the table files they use."""
+
+    def __init__(self, tables: list[str], digests: list[str], segments: list[Segment]) -> None:
+        self.tables = tables
+        self.digests = digests
+        self.segments = segments
+        self.native = _native.Program(tables, [s.native() for s in segments])
+
+    def with_segment(self, segment_start: int, table: str, digest: str, version: int) -> Program:
+        """The program with draws from ``segment_start`` on taken from ``table``."""
+        tables, digests = list(self.tables), list(self.digests)
+        if digest in digests:
+            index = digests.index(digest)
+        else:
+            tables.append(table)
+            digests.append(digest)
+            index = len(tables) - 1
+        kept = [s for s in self.segments if s.start < segment_start]
+        kept.append(Segment(segment_start, index, None, None, "reweight", version))
+        return Program(tables, digests, kept)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the draws the program makes: its tables' checksums and segments."""
+        text = json.dumps(
+            [
+                [
+                    self.digests[s.table],
+                    s.start,
+                    None if s.to is None else self.digests[s.to],
+                    s.end,
+                ]
+                for s in self.segments
+            ]
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def labels(self) -> pl.DataFrame:
+        """Per segment (in order): its phase label and weight version."""
+        return pl.DataFrame(
+            {
+                "segment": pl.Series(range(len(self.segments)), dtype=pl.UInt32),
+                "phase": [s.phase for s in self.segments],
+                "version": pl.Series([s.version for s in self.segments], dtype=pl.UInt32),
+            }
+        )
+
+
+def schedule_program(
+    phases: Sequence[Phase],
+    plan: str,
+    plan_digest: str,
+    tables: list[tuple[str, str]],
+    table_of_phase: list[tuple[int, int | None]],
+) -> Program:
+    """The program of a schedule.
+
+    ``tables`` are ``(path, digest)`` after the plan's own (table 0), and phase ``i`` uses
+    ``table_of_phase[i]`` (its table, and its blend's).
+    """
+    paths = [plan] + [p for p, _ in tables]
+    digests = [plan_digest] + [d for _, d in tables]
+    segments = []
+    start = 0
+    for i, (phase, (table, to)) in enumerate(zip(phases, table_of_phase, strict=True)):
+        segments.append(Segment(start, table, to, phase.until, phase_label(phases, i), 0))
+        start = phase.until if phase.until is not None else start
+    return Program(paths, digests, segments)
+
+
+def single_program(plan: str, plan_digest: str) -> Program:
+    """The program of a loader without a schedule: the plan's own table throughout."""
+    return Program([plan], [plan_digest], [Segment(0, 0, None, None, "phase 0", 0)])
+
+
+# -- the history of re-weights ----------------------------------------------------------------
+def _entry_id(entry: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    with open(partial, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def record_reweight(
+    directory: Path, previous: str | None, base: str, start: int, weights: pl.Series
+) -> tuple[str, str, str]:
+    """Persists one re-weight: its table (content-addressed) and its history entry.
+
+    Returns the entry's id, the table's path and its digest.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        scratch = directory / f".weights-{os.getpid()}-{id(weights):x}.new"
+        digest = write_weights(scratch, weights)
+        table = directory / f"weights-{digest}.bin"
+        os.replace(scratch, table)
+        entry = {
+            "format": HISTORY_FORMAT,
+            "previous": previous,
+            "base": base,
+            "start": start,
+            "table": digest,
+            "rows": weights.len(),
+        }
+        entry_id = _entry_id(entry)
+        _write_atomic(directory / f"reweight-{entry_id}.json", json.dumps(entry).encode())
+    except OSError as exc:
+        raise ArgumentError(
+            f"the re-weight could not be saved in {str(directory)!r} ({exc}); pass the loader "
+            "a writable history=<directory>"
+        ) from exc
+    return entry_id, str(table), digest
+
+
+def read_history(directory: Path, head: str, base: str, rows: int) -> list[tuple[int, str, str]]:
+    """The re-weights up to entry ``head``, oldest first: ``(start, table path, digest)``.
+
+    Each entry's name and each table's checksum are verified.
+    """
+    chain: list[tuple[int, str, str]] = []
+    current: str | None = head
+    while current is not None:
+        path = directory / f"reweight-{current}.json"
+        try:
+            entry = json.loads(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise LoaderStateError(
+                f"the state's re-weight {current} cannot be read from {str(path)!r} ({exc}); "
+                "pass history=<the directory the training run used>"
+            ) from None
+        if not isinstance(entry, dict) or _entry_id(entry) != current:
+            raise LoaderStateError(f"the re-weight history file {str(path)!r} is damaged")
+        if entry.get("base") != base or entry.get("rows") != rows:
+            raise LoaderStateError(
+                f"the state's re-weights were made for another loader (other rows, weights "
+                f"or schedule) than this one: {str(path)!r}"
+            )
+        table = directory / f"weights-{entry['table']}.bin"
+        try:
+            found = _native.file_digest(table)
+        except Exception as exc:
+            raise LoaderStateError(
+                f"the re-weight table {str(table)!r} is missing: {exc}"
+            ) from None
+        if found != entry["table"]:
+            raise LoaderStateError(f"the re-weight table {str(table)!r} is damaged")
+        chain.append((int(entry["start"]), str(table), entry["table"]))
+        current = entry["previous"]
+    chain.reverse()
+    return chain
+
+
+# -- reading a re-weight frame -----------------------------------------------------------------
+def reweight_from_frame(frame: pl.DataFrame, keys: pl.DataFrame) -> pl.Series:
+    """The weights a frame of ``cache_id, sample_id, weight`` gives a loader's rows.
+
+    ``keys`` are the loader's rows (``cache_id, sample_id``), in its order.
+    """
+    missing = [c for c in ("cache_id", "sample_id", "weight") if c not in frame.columns]
+    if missing:
+        raise MetadataError(
+            f"a re-weight frame needs the column(s) {missing}: cache_id and sample_id say "
+            "which row of the loader each weight is for"
+        )
+    cache_ids, ids = link_columns(frame)
+    given = pl.DataFrame(
+        {"cache_id": cache_ids, "sample_id": ids.cast(pl.Int64), "weight": frame["weight"]}
+    )
+    on = ["cache_id", "sample_id"]
+    if given.height == keys.height and given.select(on).equals(keys):
+        weights = given["weight"]  # the loader's own frame, re-weighted: rows in its order
+    else:
+        duplicated = given.filter(pl.struct(on).is_duplicated())
+        if duplicated.height:
+            cid, sid = duplicated.row(0)[:2]
+            raise MetadataError(
+                f"the re-weight frame gives sample_id {sid} of cache_id {cid!r} more than one "
+                "weight"
+            )
+        unknown = given.join(keys, on=on, how="anti")
+        if unknown.height:
+            cid, sid = unknown.row(0)[:2]
+            raise MetadataError(
+                f"the re-weight frame has {unknown.height} row(s) the loader does not have, "
+                f"such as sample_id {sid} of cache_id {cid!r}"
+            )
+        joined = keys.with_row_index("row").join(given, on=on, how="left").sort("row")
+        absent = joined.filter(pl.col("weight").is_null())
+        if absent.height:
+            cid, sid = absent["cache_id"][0], absent["sample_id"][0]
+            raise MetadataError(
+                f"{absent.height} row(s) of the loader have no weight in the re-weight frame, "
+                f"such as sample_id {sid} of cache_id {cid!r}: give every row a weight "
+                "(fill_null) or build a loader over fewer rows"
+            )
+        weights = joined["weight"]
+    try:
+        return check_weights(weights, keys["sample_id"])
+    except WeightError as exc:
+        raise WeightError(f"reweight: {exc}") from None
+
+
+# -- what the model sees -----------------------------------------------------------------------
+def seen_frame(
+    spec: LoaderSpec,
+    layout: _native.Schedule,
+    program: Program | None,
+    epoch: int,
+    steps: int | range | None,
+    all_ranks: bool,
+) -> pl.DataFrame:
+    """The draws of ``steps`` of ``epoch`` under ``layout`` (a schedule from position 0)."""
+    batch, world = layout.batch_size, layout.world_size
+    if steps is None:
+        steps = range(layout.num_batches)
+    elif isinstance(steps, int) and not isinstance(steps, bool):
+        steps = range(steps, steps + 1)
+    if not isinstance(steps, range) or steps.step != 1 or steps.start < 0:
+        raise ArgumentError(f"steps must be a step or a range of steps (step 1), got {steps!r}")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ArgumentError(f"epoch must be a non-negative integer, got {epoch!r}")
+    # Rank r's j-th position is r + world * j; its step is j // batch.
+    first = min(steps.start * batch, layout.per_rank)
+    last = max(first, min(steps.stop * batch, layout.per_rank))
+    if all_ranks:
+        start, stop, stride = world * first, world * last, 1
+    else:
+        start, stop, stride = layout.rank + world * first, layout.rank + world * last, world
+    drawn = pl.DataFrame(
+        _native.draws_at(
+            spec.plan,
+            spec.program,
+            seed=spec.seed,
+            epoch=epoch,
+            total=layout.total,
+            start=start,
+            stop=stop,
+            step=stride,
+        )
+    )
+    position = drawn["position"].cast(pl.Int64)
+    segment = drawn["segment"]
+    cache_ids = pl.Series("cache_id", spec.cache_ids, dtype=pl.String)
+    n = len(position)
+    if program is None:
+        phase = pl.repeat("phase 0", n, eager=True, dtype=pl.String)
+        version = pl.repeat(0, n, eager=True, dtype=pl.UInt32)
+    else:
+        labels = program.labels()
+        phase, version = labels["phase"].gather(segment), labels["version"].gather(segment)
+    return pl.DataFrame(
+        {
+            "epoch": pl.repeat(epoch, n, eager=True, dtype=pl.Int64),
+            "step": (position // world) // batch,
+            "rank": position % world,
+            "position": position,
+            "cache_id": cache_ids.gather(drawn["cache"]),
+            "sample_id": drawn["sample_id"].cast(pl.Int64),
+            "phase": phase,
+            "version": version,
+        }
+    )
