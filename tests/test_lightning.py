@@ -41,9 +41,9 @@ class Recorder(L.LightningModule):  # type: ignore[misc]
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def _trainer(root: Path, **kwargs: Any) -> Any:
+def _trainer(root: Path, max_epochs: int = EPOCHS, **kwargs: Any) -> Any:
     return L.Trainer(
-        max_epochs=EPOCHS,
+        max_epochs=max_epochs,
         accelerator="cpu",
         devices=1,
         logger=False,
@@ -133,3 +133,90 @@ def test_every_validation_pass_reads_every_row_after_the_sanity_check(
     assert len(passes) == EPOCHS
     for seen in passes:
         assert seen == list(range(300)), "each validation scores the whole set, in order"
+
+
+class LossWeighted(L.LightningModule):  # type: ignore[misc]
+    """Trains on a re-weighted loader and records the sample ids of every batch."""
+
+    def __init__(self, frame: pl.DataFrame, history: Path) -> None:
+        super().__init__()
+        self.frame = frame
+        self.history = history
+        self.layer = torch.nn.Linear(4, 1)
+        self.seen: list[list[int]] = []
+
+    def train_dataloader(self) -> Any:
+        self.loader = self.frame.drt.loader(batch_size=32, seed=2, history=self.history)
+        return self.loader
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+        self.seen.append(batch["x"][:, 0].tolist())
+        target = batch["label"].float()
+        losses = (self.layer(batch["x"].float() / 300).squeeze(1) - target).pow(2)
+        return {"loss": losses.mean(), "losses": losses.detach()}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+class ReweightByLoss(L.Callback):  # type: ignore[misc]
+    """Ties each batch's per-sample losses to its rows with ``loader.seen(batch_idx)`` and,
+    at each epoch's end, re-weights the loader by every sample's mean loss so far."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[str, int, float]] = []
+
+    def on_train_batch_end(
+        self, trainer: Any, module: LossWeighted, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        rows = module.loader.seen(batch_idx)
+        losses = outputs["losses"].tolist()
+        self.losses.extend(zip(rows["cache_id"], rows["sample_id"], losses, strict=True))
+
+    def on_train_epoch_end(self, trainer: Any, module: LossWeighted) -> None:
+        per_sample = (
+            pl.DataFrame(self.losses, schema=["cache_id", "sample_id", "loss"], orient="row")
+            .group_by("cache_id", "sample_id")
+            .agg(pl.col("loss").mean())
+        )
+        weights = module.frame.join(per_sample, on=["cache_id", "sample_id"], how="left")
+        module.loader.reweight(
+            weights.with_columns(weight=pl.col("weight") * (1 + pl.col("loss").fill_null(0.0)))
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self.losses)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = [tuple(row) for row in state["losses"]]  # type: ignore[misc]
+
+
+def test_reweighting_by_loss_each_epoch_resumes_exactly_from_a_mid_epoch_checkpoint(
+    frame: pl.DataFrame, tmp_path: Path
+) -> None:
+    every = 2 * BATCHES_PER_EPOCH + 3  # the fourth batch of epoch 2
+    checkpoints, history = tmp_path / "checkpoints", tmp_path / "history"
+
+    def fit(module: LossWeighted, root: Path, **fit_options: Any) -> None:
+        saving = L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=checkpoints, every_n_train_steps=every, save_top_k=-1
+        )
+        trainer = _trainer(root, callbacks=[saving, ReweightByLoss()], max_epochs=4)
+        trainer.fit(module, **fit_options)
+
+    torch.manual_seed(0)
+    full = LossWeighted(frame, history)
+    fit(full, tmp_path / "full")
+    assert len(full.seen) == 4 * BATCHES_PER_EPOCH
+    state = full.loader.state_dict()
+    seen = full.loader.seen(epoch=3)
+    assert seen["version"].unique().to_list() == [3], "one re-weight per epoch end"
+    assert state["history"] and len(repr(state)) < 400
+
+    (saved,) = (p for p in checkpoints.iterdir() if f"step={every}." in p.name)
+    checkpoint = saved.rename(tmp_path / "mid-epoch-2.ckpt")
+    shutil.rmtree(checkpoints)
+    resumed = LossWeighted(frame, history)
+    fit(resumed, tmp_path / "resumed", ckpt_path=checkpoint)
+    assert resumed.seen == full.seen[every:], "the resumed run sees exactly the same batches"
+    assert resumed.loader.state_dict() == state

@@ -309,3 +309,72 @@ def test_bad_schedules_and_reweights_are_refused(frame: pl.DataFrame, tmp_path: 
     same = frame.drt.loader(8, seed=1, history=tmp_path / "h")
     with pytest.raises(LoaderStateError, match="damaged"):
         same.load_state_dict(moved)
+
+
+TORCHRUN_SCRIPT = """
+import json, os
+import polars as pl
+import torch.distributed as dist
+import dataset_rt as drt
+from dataset_rt import Phase
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+frame = pl.concat([drt.open(f"program-{s}").metadata for s in ("web", "code", "books")])
+shares = json.loads(os.environ["SHARES"])
+frame = frame.with_columns(
+    [pl.col("source").drt.mix(s, weight="quality").alias(f"w{i}") for i, s in enumerate(shares)]
+)
+schedule = [Phase("w0", until=3_000), Phase("w1", until=6_000), Phase("w2")]
+loader = frame.drt.loader(batch_size=50, seed=3, num_samples=3_000, schedule=schedule, collate=list)
+records = []
+for epoch in range(3):
+    records += [list(r) for batch in loader for r in batch]
+seen = pl.concat([loader.seen(epoch=e) for e in range(3)])
+seen.write_parquet(f"seen-{rank}.parquet")
+print(json.dumps({"rank": rank, "records": records}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_ranks_see_the_global_scheduled_stream(frame: pl.DataFrame, tmp_path: Any) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "SHARES": json.dumps(SHARES), "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        [*command, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    outputs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    ranks = [pl.read_parquet(tmp_path / f"seen-{r}.parquet") for r in range(2)]
+    for out in outputs:
+        # What each rank trained on is what its seen() says.
+        mine = ranks[out["rank"]].join(
+            frame.select("cache_id", "sample_id", "source"), on=["cache_id", "sample_id"]
+        )
+        ordered = mine.sort("epoch", "position")
+        assert [tuple(r) for r in out["records"]] == list(
+            zip(ordered["source"], ordered["sample_id"], strict=True)
+        )
+    # Both ranks' frames, together, are the global stream of the same loader on one process.
+    frame, _ = three_phases(frame)
+    schedule = [Phase("w0", until=3_000), Phase("w1", until=6_000), Phase("w2")]
+    one = frame.drt.loader(batch_size=50, seed=3, num_samples=3_000, schedule=schedule)
+    whole = pl.concat([one.seen(epoch=e, all_ranks=True) for e in range(3)])
+    both = pl.concat(ranks).sort("epoch", "position")
+    columns = ["epoch", "position", "cache_id", "sample_id", "phase"]
+    assert both.select(columns).equals(whole.select(columns))
+    # Exposure per source in each phase (one epoch each) follows the schedule.
+    exposure = both.join(
+        frame.select("cache_id", "sample_id", "source"), on=["cache_id", "sample_id"]
+    )
+    for i, shares in enumerate(SHARES):
+        counts = dict(exposure.filter(pl.col("epoch") == i).group_by("source").len().rows())
+        assert chi2_p(counts, shares) > 0.01, (i, counts)
