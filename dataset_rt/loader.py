@@ -33,15 +33,14 @@ from dataset_rt.program import (
     Program,
     WeightSource,
     check_phases,
-    phase_label,
     phase_weights,
     read_history,
     record_reweight,
     reweight_from_frame,
     schedule_program,
+    schedule_weights,
     seen_frame,
     single_program,
-    write_weights,
 )
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
@@ -330,17 +329,7 @@ class Loader:
         digest = _native.write_plan(plan, plan_frame, len(caches), self._shuffle)
         if phases is None:
             return caches, plan, digest, None
-        tables = []
-        for j, weights in enumerate(more):
-            path = os.path.join(directory, f"weights-{j}.bin")
-            tables.append((path, write_weights(path, weights)))
-        # Table 0 is the plan's own (the first phase's weights); the others follow in the
-        # order _snapshot computed them: each phase's blend target after the phases.
-        targets = iter(range(len(phases), len(phases) + len(more)))
-        table_of_phase = [
-            (i, None if phase.to is None else next(targets)) for i, phase in enumerate(phases)
-        ]
-        return caches, plan, digest, schedule_program(phases, plan, digest, tables, table_of_phase)
+        return caches, plan, digest, schedule_program(phases, plan, digest, more, directory)
 
     def stats(self) -> LoaderStats:
         """A copy of the loader's running counters: samples, bytes, waits and stage times.
@@ -413,17 +402,7 @@ class Loader:
         if weighted:
             columns["weight"] = check_weights(data["weight"], ids)
         elif phases is not None:
-            # The first phase's weights go into the plan; the other phases' and the blends'
-            # targets into tables of their own, in that order.
-            sources = [(i, "weights", p.weights) for i, p in enumerate(phases)]
-            sources += [(i, "to", p.to) for i, p in enumerate(phases) if p.to is not None]
-            weights = [
-                phase_weights(data, ids, w, f"schedule[{i}].{what} ({phase_label(phases, i)})")
-                for i, what, w in sources
-                if w is not None
-            ]
-            columns["weight"] = weights[0]
-            more = weights[1:]
+            columns["weight"], *more = schedule_weights(data, ids, phases)
         return caches, pl.DataFrame(columns), more
 
     @staticmethod
@@ -825,28 +804,3 @@ def loader_signature() -> inspect.Signature:
     init = inspect.signature(Loader.__init__)
     params = [p for name, p in init.parameters.items() if name != "frame"]
     return init.replace(parameters=params)
-
-
-def epoch_frame(
-    frame: pl.LazyFrame,
-    *,
-    seed: int = 0,
-    epoch: int = 0,
-    num_samples: int | None = None,
-    shuffle: bool = True,
-    weight: str = "weight",
-) -> pl.DataFrame:
-    """The global draw sequence of one epoch as a frame; see ``df.drt.epoch``."""
-    from dataset_rt import plugins
-
-    data = frame.collect()
-    if not shuffle:
-        if num_samples is not None:
-            raise ArgumentError("num_samples applies to shuffled epochs")
-        return data.with_row_index("draw").with_columns(pl.col("draw").cast(pl.Int64))
-    rows = data.select(plugins.draw_rows(weight, num_samples, seed=seed, epoch=epoch)).to_series()
-    return (
-        data.select(pl.all().gather(rows))
-        .with_row_index("draw")
-        .with_columns(pl.col("draw").cast(pl.Int64))
-    )

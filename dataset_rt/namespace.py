@@ -12,7 +12,8 @@ from typing import Any
 import polars as pl
 
 from dataset_rt import plugins, summary
-from dataset_rt.loader import Loader, epoch_frame, loader_signature
+from dataset_rt.loader import Loader, loader_signature
+from dataset_rt.program import Phase, epoch_frame
 from dataset_rt.roots import PathLike
 
 __all__ = ["DrtExprNamespace", "DrtFrameNamespace", "DrtLazyFrameNamespace"]
@@ -146,14 +147,29 @@ class _FrameMethods:
         epoch: int = 0,
         num_samples: int | None = None,
         shuffle: bool = True,
+        schedule: Sequence[Phase] | None = None,
     ) -> pl.DataFrame:
         """The rows one epoch draws, in draw order, with a ``draw`` position column.
 
-        This is the global stream a loader with the same ``seed`` reads in that epoch
-        (ranks read it strided: rank ``r`` of ``w`` gets draws ``r, r + w, ...``).
+        This is the global stream a loader with the same ``seed`` (and ``schedule``) reads
+        in that epoch (ranks read it strided: rank ``r`` of ``w`` gets draws
+        ``r, r + w, ...``). With a schedule, a ``phase`` column names each draw's phase.
+
+        Examples
+        --------
+        >>> import polars as pl, dataset_rt as drt
+        >>> df = pl.DataFrame({"a": [1.0, 0.0], "b": [0.0, 1.0]})
+        >>> schedule = [drt.Phase("a", until=3), drt.Phase("b")]
+        >>> df.drt.epoch(num_samples=5, schedule=schedule)["phase"].to_list()
+        ['phase 0', 'phase 0', 'phase 0', 'phase 1', 'phase 1']
         """
         return epoch_frame(
-            self._lazy, seed=seed, epoch=epoch, num_samples=num_samples, shuffle=shuffle
+            self._lazy,
+            seed=seed,
+            epoch=epoch,
+            num_samples=num_samples,
+            shuffle=shuffle,
+            schedule=schedule,
         )
 
     def records(self, n: int = 5, *, root: PathLike | None = None) -> list[Any]:

@@ -214,26 +214,86 @@ class Program:
         )
 
 
-def schedule_program(
-    phases: Sequence[Phase],
-    plan: str,
-    plan_digest: str,
-    tables: list[tuple[str, str]],
-    table_of_phase: list[tuple[int, int | None]],
-) -> Program:
-    """The program of a schedule.
+def schedule_weights(
+    frame: pl.DataFrame, ids: pl.Series, phases: Sequence[Phase]
+) -> list[pl.Series]:
+    """Every weight column a schedule draws from, checked; errors name the phase.
 
-    ``tables`` are ``(path, digest)`` after the plan's own (table 0), and phase ``i`` uses
-    ``table_of_phase[i]`` (its table, and its blend's).
+    Each phase's ``weights`` come first, in order, then each blend's ``to``.
     """
-    paths = [plan] + [p for p, _ in tables]
-    digests = [plan_digest] + [d for _, d in tables]
+    sources = [(i, "weights", p.weights) for i, p in enumerate(phases)]
+    sources += [(i, "to", p.to) for i, p in enumerate(phases) if p.to is not None]
+    return [
+        phase_weights(frame, ids, w, f"schedule[{i}].{what} ({phase_label(phases, i)})")
+        for i, what, w in sources
+        if w is not None
+    ]
+
+
+def schedule_program(
+    phases: Sequence[Phase], plan: str, plan_digest: str, more: list[pl.Series], directory: str
+) -> Program:
+    """The program of a schedule whose first weights are in the plan's own table.
+
+    ``more`` are the other weights :func:`schedule_weights` gave; their tables are written
+    to ``directory``.
+    """
+    paths, digests = [plan], [plan_digest]
+    for j, weights in enumerate(more):
+        paths.append(os.path.join(directory, f"weights-{j}.bin"))
+        digests.append(write_weights(paths[-1], weights))
+    # Table i is phase i's weights; the blends' targets follow, in phase order.
+    targets = iter(range(len(phases), len(phases) + len(more)))
     segments = []
     start = 0
-    for i, (phase, (table, to)) in enumerate(zip(phases, table_of_phase, strict=True)):
-        segments.append(Segment(start, table, to, phase.until, phase_label(phases, i), 0))
+    for i, phase in enumerate(phases):
+        to = None if phase.to is None else next(targets)
+        segments.append(Segment(start, i, to, phase.until, phase_label(phases, i), 0))
         start = phase.until if phase.until is not None else start
     return Program(paths, digests, segments)
+
+
+def preview(
+    data: pl.DataFrame, phases: Sequence[Phase], *, seed: int, epoch: int, total: int | None
+) -> pl.DataFrame:
+    """The rows a loader with this schedule draws in ``epoch``, in draw order.
+
+    With ``draw`` and ``phase`` columns; computed by the loader's own code, without caches.
+    """
+    import shutil
+    import tempfile
+
+    ids = pl.Series("sample_id", range(data.height), dtype=pl.Int64)
+    first, *more = schedule_weights(data, ids, phases)
+    total = data.height if total is None else total
+    directory = tempfile.mkdtemp(prefix="dataset_rt-preview-")
+    try:
+        plan = os.path.join(directory, "plan.bin")
+        digest = _native.write_plan(
+            plan, pl.DataFrame({"sample_id": ids, "weight": first}), 1, True
+        )
+        program = schedule_program(phases, plan, digest, more, directory)
+        drawn = pl.DataFrame(
+            _native.draws_at(
+                plan,
+                program.native,
+                seed=seed,
+                epoch=epoch,
+                total=total,
+                start=0,
+                stop=total,
+                step=1,
+            )
+        )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    phase = program.labels()["phase"].gather(drawn["segment"])
+    rows = data.select(pl.all().gather(drawn["row"]))
+    return (
+        rows.with_row_index("draw")
+        .with_columns(pl.col("draw").cast(pl.Int64))
+        .with_columns(phase=phase)
+    )
 
 
 def single_program(plan: str, plan_digest: str) -> Program:
@@ -438,4 +498,32 @@ def seen_frame(
             "phase": phase,
             "version": version,
         }
+    )
+
+
+def epoch_frame(
+    frame: pl.LazyFrame,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    num_samples: int | None = None,
+    shuffle: bool = True,
+    weight: str = "weight",
+    schedule: Sequence[Phase] | None = None,
+) -> pl.DataFrame:
+    """The global draw sequence of one epoch as a frame; see ``df.drt.epoch``."""
+    from dataset_rt import plugins
+
+    data = frame.collect()
+    if not shuffle:
+        if num_samples is not None or schedule is not None:
+            raise ArgumentError("num_samples and schedule apply to shuffled epochs")
+        return data.with_row_index("draw").with_columns(pl.col("draw").cast(pl.Int64))
+    if schedule is not None:
+        return preview(data, check_phases(schedule), seed=seed, epoch=epoch, total=num_samples)
+    rows = data.select(plugins.draw_rows(weight, num_samples, seed=seed, epoch=epoch)).to_series()
+    return (
+        data.select(pl.all().gather(rows))
+        .with_row_index("draw")
+        .with_columns(pl.col("draw").cast(pl.Int64))
     )

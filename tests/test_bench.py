@@ -44,6 +44,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
             ],
         ),
         (["fuzz.py", "--smoke"], ["damaged local caches", "in a local S3 server", "findings: 0"]),
+        (
+            ["program.py", "--smoke"],
+            ["phase 2:", "3-phase schedule", "reweight + first batch", "seen(all_ranks=True)"],
+        ),
     ],
     ids=[
         "build",
@@ -55,6 +59,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "startup",
         "remote",
         "fuzz",
+        "program",
     ],
 )
 def test_benchmark_runs_and_prints_its_table(args: list[str], expected: list[str]) -> None:

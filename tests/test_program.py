@@ -378,3 +378,18 @@ def test_torchrun_ranks_see_the_global_scheduled_stream(frame: pl.DataFrame, tmp
     for i, shares in enumerate(SHARES):
         counts = dict(exposure.filter(pl.col("epoch") == i).group_by("source").len().rows())
         assert chi2_p(counts, shares) > 0.01, (i, counts)
+
+
+def test_the_epoch_preview_draws_what_the_scheduled_loader_draws(frame: pl.DataFrame) -> None:
+    frame, _ = three_phases(frame)
+    phases = [Phase("w0", until=1_500, to="w2"), Phase("w1")]
+    loader = frame.drt.loader(batch_size=100, seed=6, schedule=phases)
+    for epoch in (0, 1, 2):
+        preview = frame.drt.epoch(seed=6, epoch=epoch, schedule=phases)
+        seen = loader.seen(epoch=epoch, all_ranks=True)
+        assert preview["draw"].to_list() == seen["position"].to_list()
+        assert preview.select("cache_id", "sample_id", "phase").equals(
+            seen.select("cache_id", "sample_id", "phase")
+        )
+    with pytest.raises(ArgumentError, match="apply to shuffled epochs"):
+        frame.drt.epoch(shuffle=False, schedule=phases)
