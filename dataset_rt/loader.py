@@ -31,16 +31,13 @@ from dataset_rt.pipeline import Collate, LoaderSpec, Transform, assemble
 from dataset_rt.program import (
     Phase,
     Program,
+    Weights,
     WeightSource,
     check_phases,
-    phase_weights,
-    read_history,
-    record_reweight,
-    reweight_from_frame,
+    row_weights,
     schedule_program,
     schedule_weights,
     seen_frame,
-    single_program,
 )
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
@@ -268,13 +265,13 @@ class Loader:
         self._fingerprint = f"{digest}-{ids_digest[:16]}"
         if program is not None:
             self._fingerprint += f"-{program.fingerprint[:16]}"
-        # The weights of every draw: the schedule's program (None: the plan's own table),
-        # then each re-weight in order (their history's newest entry is _history_head).
-        self._base_program = program
-        self._plan_digest = digest
-        self._history_dir = Path(history) if history is not None else caches[0].root / ".weights"
-        self._history_head: str | None = None
-        self._versions = 0
+        self._weights = Weights(
+            program,
+            plan,
+            digest,
+            self._fingerprint,
+            Path(history) if history is not None else caches[0].root / ".weights",
+        )
         self._spec = LoaderSpec(
             plan=plan,
             cache_dirs=tuple(str(c.path) for c in caches),
@@ -290,7 +287,6 @@ class Loader:
             remotes=tuple(self._remote(c) for c in caches),
             program=None if program is None else program.native,
         )
-        self._program = program
         self._packed = b""
         self._pack()
         self._epoch = 0
@@ -496,8 +492,8 @@ class Loader:
             "shuffle": self._shuffle,
             "plan": self._fingerprint,
         }
-        if self._history_head is not None:
-            state["history"] = self._history_head  # the newest re-weight
+        if self._weights.head is not None:
+            state["history"] = self._weights.head  # the newest re-weight
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -529,30 +525,14 @@ class Loader:
                 )
         epoch = _check_int("epoch", state["epoch"], 0, 2**63 - 1)
         cursor = _check_int("position", state["position"], 0, self._total)
-        head = state.get("history")
-        if head != self._history_head:
-            if head is not None and not isinstance(head, str):
-                raise LoaderStateError(f"the state's history is {head!r}, not a re-weight id")
-            chain = (
-                []
-                if head is None
-                else read_history(self._history_dir, head, self._fingerprint, self._rows)
-            )
-            program = self._base_program
-            for version, (start, table, digest) in enumerate(chain, start=1):
-                program = (program or self._plain_program()).with_segment(
-                    start, table, digest, version
-                )
-            self._set_program(program, head, len(chain))
+        if self._weights.restore(state.get("history"), self._rows):
+            self._weights_changed()
         self._epoch, self._cursor = epoch, cursor
         self._resuming = True
 
     # -- the weights over the run ---------------------------------------------------------------
-    def _plain_program(self) -> Program:
-        return single_program(self._spec.plan, self._plan_digest)
-
-    def _set_program(self, program: Program | None, head: str | None, versions: int) -> None:
-        self._program, self._history_head, self._versions = program, head, versions
+    def _weights_changed(self) -> None:
+        program = self._weights.program
         native = None if program is None else program.native
         self._spec = dataclasses.replace(self._spec, program=native)
         self._pack()
@@ -593,14 +573,8 @@ class Loader:
                 "reweight applies to shuffled loaders; shuffle=False draws no weights"
             )
         start = self._reweight_start(step)
-        series = self._row_weights(weights)
-        entry, table, digest = record_reweight(
-            self._history_dir, self._history_head, self._fingerprint, start, series
-        )
-        program = (self._program or self._plain_program()).with_segment(
-            start, table, digest, self._versions + 1
-        )
-        self._set_program(program, entry, self._versions + 1)
+        self._weights.reweight(start, row_weights(weights, self._keys))
+        self._weights_changed()
 
     def _reweight_start(self, step: int | None) -> int:
         first = self._epoch * self._total
@@ -620,20 +594,6 @@ class Loader:
                 "out to re-weight from the next epoch"
             )
         return first + position
-
-    def _row_weights(self, weights: WeightSource | pl.DataFrame | pl.LazyFrame) -> pl.Series:
-        """The checked weights of the loader's rows, in its order."""
-        if isinstance(weights, pl.LazyFrame):
-            weights = weights.collect()
-        if isinstance(weights, (str, pl.Expr)):
-            raise ArgumentError(
-                "a loader keeps no copy of its frame to evaluate a column on: pass the "
-                "weights (a Series, or a frame with cache_id, sample_id and weight)"
-            )
-        keys = self._keys()
-        if isinstance(weights, pl.DataFrame):
-            return reweight_from_frame(weights, keys)
-        return phase_weights(keys, keys["sample_id"], weights, "reweight")
 
     def _keys(self) -> pl.DataFrame:
         """The loader's rows as ``cache_id, sample_id``, in its order."""
@@ -668,7 +628,7 @@ class Loader:
         """
         layout = self._schedule(0)
         epoch = self._epoch if epoch is None else epoch
-        return seen_frame(self._spec, layout, self._program, epoch, steps, all_ranks)
+        return seen_frame(self._spec, layout, self._weights.program, epoch, steps, all_ranks)
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -387,6 +387,70 @@ def read_history(directory: Path, head: str, base: str, rows: int) -> list[tuple
         current = entry["previous"]
     chain.reverse()
     return chain
+
+
+class Weights:
+    """A loader's weights over the run, and the history of its re-weights.
+
+    Its schedule's program (None: the plan's own table for every draw), then each re-weight
+    in order, kept in a history directory. ``head`` is the history's newest entry (None
+    before any re-weight); ``program`` the segments in force now.
+    """
+
+    def __init__(
+        self, base: Program | None, plan: str, plan_digest: str, fingerprint: str, history: Path
+    ) -> None:
+        self.base, self.plan, self.plan_digest = base, plan, plan_digest
+        self.fingerprint, self.history = fingerprint, history
+        self.program = base
+        self.head: str | None = None
+        self.versions = 0
+
+    def _start(self) -> Program:
+        return self.base or single_program(self.plan, self.plan_digest)
+
+    def reweight(self, start: int, weights: pl.Series) -> None:
+        """Draws from global draw ``start`` on use ``weights``, recorded in the history."""
+        entry, table, digest = record_reweight(
+            self.history, self.head, self.fingerprint, start, weights
+        )
+        program = (self.program or self._start()).with_segment(
+            start, table, digest, self.versions + 1
+        )
+        self.program, self.head, self.versions = program, entry, self.versions + 1
+
+    def restore(self, head: object, rows: int) -> bool:
+        """Brings back the re-weights up to entry ``head``; whether anything changed.
+
+        Everything is read and checked before anything changes.
+        """
+        if head == self.head:
+            return False
+        if head is not None and not isinstance(head, str):
+            raise LoaderStateError(f"the state's history is {head!r}, not a re-weight id")
+        chain = [] if head is None else read_history(self.history, head, self.fingerprint, rows)
+        program = self.base
+        for version, (start, table, digest) in enumerate(chain, start=1):
+            program = (program or self._start()).with_segment(start, table, digest, version)
+        self.program, self.head, self.versions = program, head, len(chain)
+        return True
+
+
+def row_weights(
+    weights: WeightSource | pl.DataFrame | pl.LazyFrame, keys: Callable[[], pl.DataFrame]
+) -> pl.Series:
+    """The checked weights that ``weights`` give a loader's rows (``keys()``), in its order."""
+    if isinstance(weights, pl.LazyFrame):
+        weights = weights.collect()
+    if isinstance(weights, str | pl.Expr):
+        raise ArgumentError(
+            "a loader keeps no copy of its frame to evaluate a column on: pass the "
+            "weights (a Series, or a frame with cache_id, sample_id and weight)"
+        )
+    rows = keys()
+    if isinstance(weights, pl.DataFrame):
+        return reweight_from_frame(weights, rows)
+    return phase_weights(rows, rows["sample_id"], weights, "reweight")
 
 
 # -- reading a re-weight frame -----------------------------------------------------------------
