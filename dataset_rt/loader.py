@@ -573,7 +573,8 @@ class Loader:
                 "reweight applies to shuffled loaders; shuffle=False draws no weights"
             )
         start = self._reweight_start(step)
-        self._weights.reweight(start, row_weights(weights, self._keys))
+        spec = self._spec
+        self._weights.reweight(start, row_weights(weights, spec.plan, spec.cache_ids, self._rows))
         self._weights_changed()
 
     def _reweight_start(self, step: int | None) -> int:
@@ -594,14 +595,6 @@ class Loader:
                 "out to re-weight from the next epoch"
             )
         return first + position
-
-    def _keys(self) -> pl.DataFrame:
-        """The loader's rows as ``cache_id, sample_id``, in its order."""
-        rows = pl.DataFrame(_native.plan_samples(self._spec.plan))
-        ids = pl.Series("cache_id", self._spec.cache_ids, dtype=pl.String)
-        return pl.DataFrame(
-            {"cache_id": ids.gather(rows["cache"]), "sample_id": rows["sample_id"].cast(pl.Int64)}
-        )
 
     def seen(
         self, steps: int | range | None = None, *, epoch: int | None = None, all_ranks: bool = False

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -437,9 +437,15 @@ class Weights:
 
 
 def row_weights(
-    weights: WeightSource | pl.DataFrame | pl.LazyFrame, keys: Callable[[], pl.DataFrame]
+    weights: WeightSource | pl.DataFrame | pl.LazyFrame,
+    plan: str,
+    cache_ids: Sequence[str],
+    rows: int,
 ) -> pl.Series:
-    """The checked weights that ``weights`` give a loader's rows (``keys()``), in its order."""
+    """The checked weights that ``weights`` give a loader's rows, in its order.
+
+    The loader has plan ``plan``, caches ``cache_ids`` and ``rows`` rows.
+    """
     if isinstance(weights, pl.LazyFrame):
         weights = weights.collect()
     if isinstance(weights, str | pl.Expr):
@@ -447,17 +453,35 @@ def row_weights(
             "a loader keeps no copy of its frame to evaluate a column on: pass the "
             "weights (a Series, or a frame with cache_id, sample_id and weight)"
         )
-    rows = keys()
     if isinstance(weights, pl.DataFrame):
-        return reweight_from_frame(weights, rows)
-    return phase_weights(rows, rows["sample_id"], weights, "reweight")
+        return reweight_from_frame(weights, plan, cache_ids)
+    series = weights if isinstance(weights, pl.Series) else pl.Series("weight", weights)
+    if series.len() != rows:
+        raise WeightError(f"reweight: {series.len()} weights for a loader of {rows} rows")
+    return checked(series, plan)
+
+
+def checked(weights: pl.Series, plan: str) -> pl.Series:
+    """``check_weights`` for a loader's rows.
+
+    The plan's sample ids are read only to name the sample of a bad weight.
+    """
+    try:
+        return check_weights(weights, pl.int_range(0, weights.len(), eager=True))
+    except WeightError:
+        ids = pl.DataFrame(_native.plan_samples(plan))["sample_id"]
+        try:
+            check_weights(weights, ids)
+        except WeightError as exc:
+            raise WeightError(f"reweight: {exc}") from None
+        raise  # pragma: no cover - the same weights fail both times
 
 
 # -- reading a re-weight frame -----------------------------------------------------------------
-def reweight_from_frame(frame: pl.DataFrame, keys: pl.DataFrame) -> pl.Series:
+def reweight_from_frame(frame: pl.DataFrame, plan: str, cache_ids: Sequence[str]) -> pl.Series:
     """The weights a frame of ``cache_id, sample_id, weight`` gives a loader's rows.
 
-    ``keys`` are the loader's rows (``cache_id, sample_id``), in its order.
+    In the loader's order: ``plan``'s rows, over caches ``cache_ids``.
     """
     missing = [c for c in ("cache_id", "sample_id", "weight") if c not in frame.columns]
     if missing:
@@ -465,42 +489,56 @@ def reweight_from_frame(frame: pl.DataFrame, keys: pl.DataFrame) -> pl.Series:
             f"a re-weight frame needs the column(s) {missing}: cache_id and sample_id say "
             "which row of the loader each weight is for"
         )
-    cache_ids, ids = link_columns(frame)
-    given = pl.DataFrame(
-        {"cache_id": cache_ids, "sample_id": ids.cast(pl.Int64), "weight": frame["weight"]}
+    keys = pl.DataFrame(_native.plan_samples(plan))  # cache (a code), sample_id: UInt64
+    cid, sid = link_columns(frame)
+    codes = cid.replace_strict(
+        list(cache_ids), list(range(len(cache_ids))), default=None, return_dtype=pl.UInt32
     )
-    on = ["cache_id", "sample_id"]
+    given = pl.DataFrame(
+        {
+            "cache": codes,
+            "sample_id": sid.cast(pl.UInt64, strict=False),
+            "weight": frame["weight"],
+            "cache_id": cid,
+            "id": sid,
+        }
+    )
+    on = ["cache", "sample_id"]
     if given.height == keys.height and given.select(on).equals(keys):
         weights = given["weight"]  # the loader's own frame, re-weighted: rows in its order
     else:
         duplicated = given.filter(pl.struct(on).is_duplicated())
         if duplicated.height:
-            cid, sid = duplicated.row(0)[:2]
+            first = duplicated.row(0, named=True)
             raise MetadataError(
-                f"the re-weight frame gives sample_id {sid} of cache_id {cid!r} more than one "
-                "weight"
+                f"the re-weight frame gives sample_id {first['id']} of cache_id "
+                f"{first['cache_id']!r} more than one weight"
             )
         unknown = given.join(keys, on=on, how="anti")
         if unknown.height:
-            cid, sid = unknown.row(0)[:2]
+            first = unknown.row(0, named=True)
             raise MetadataError(
                 f"the re-weight frame has {unknown.height} row(s) the loader does not have, "
-                f"such as sample_id {sid} of cache_id {cid!r}"
+                f"such as sample_id {first['id']} of cache_id {first['cache_id']!r}"
             )
-        joined = keys.with_row_index("row").join(given, on=on, how="left").sort("row")
+        joined = (
+            keys.with_row_index("row")
+            .join(given.select(*on, "weight"), on=on, how="left")
+            .sort("row")
+        )
         absent = joined.filter(pl.col("weight").is_null())
         if absent.height:
-            cid, sid = absent["cache_id"][0], absent["sample_id"][0]
+            first = absent.row(0, named=True)
             raise MetadataError(
                 f"{absent.height} row(s) of the loader have no weight in the re-weight frame, "
-                f"such as sample_id {sid} of cache_id {cid!r}: give every row a weight "
-                "(fill_null) or build a loader over fewer rows"
+                f"such as sample_id {first['sample_id']} of cache_id "
+                f"{cache_ids[first['cache']]!r}: give every row a weight (fill_null) or build "
+                "a loader over fewer rows"
             )
         weights = joined["weight"]
-    try:
-        return check_weights(weights, keys["sample_id"])
-    except WeightError as exc:
-        raise WeightError(f"reweight: {exc}") from None
+    if not (weights.dtype.is_numeric() or weights.dtype == pl.Null):
+        raise WeightError(f"reweight: column 'weight' must be numeric, not {weights.dtype}")
+    return checked(weights.cast(pl.Float64), plan)
 
 
 # -- what the model sees -----------------------------------------------------------------------

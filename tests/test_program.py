@@ -288,7 +288,7 @@ def test_bad_schedules_and_reweights_are_refused(frame: pl.DataFrame, tmp_path: 
         loader.reweight(frame.select("cache_id", "sample_id", "weight").head(10))
     with pytest.raises(WeightError, match="reweight: weight nan"):
         loader.reweight([*frame["weight"].to_list()[:-1], float("nan")])
-    with pytest.raises(WeightError, match="999 weights for a frame of 1000 rows"):
+    with pytest.raises(WeightError, match="reweight: 999 weights for a loader of 1000 rows"):
         loader.reweight(np.ones(999))
     _ = next(iter(loader))
     with pytest.raises(ArgumentError, match="step 0 of epoch 0 has been drawn already"):
