@@ -8,7 +8,6 @@ import inspect
 import os
 import shutil
 import sys
-import tempfile
 import time
 import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
@@ -37,7 +36,9 @@ from dataset_rt.program import (
     row_weights,
     schedule_program,
     schedule_weights,
+    scratch_dir,
     seen_frame,
+    write_schedule,
 )
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
@@ -76,13 +77,6 @@ def _distributed() -> tuple[int, int] | None:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return None
-
-
-def _plan_dir() -> str:
-    # /dev/shm keeps the plan in RAM and shares its pages between worker processes.
-    shm = "/dev/shm"
-    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-    return tempfile.mkdtemp(prefix="dataset_rt-loader-", dir=base)
 
 
 @dataclass
@@ -319,13 +313,14 @@ class Loader:
             raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
         caches, plan_frame, more = self._snapshot(data, root, phases)
         self._rows = plan_frame.height
-        directory = _plan_dir()
+        directory = scratch_dir("dataset_rt-loader-")
         weakref.finalize(self, shutil.rmtree, directory, True)
         plan = os.path.join(directory, "plan.bin")
-        digest = _native.write_plan(plan, plan_frame, len(caches), self._shuffle)
         if phases is None:
+            digest = _native.write_plan(plan, plan_frame, len(caches), self._shuffle)
             return caches, plan, digest, None
-        return caches, plan, digest, schedule_program(phases, plan, digest, more, directory)
+        digest, tables, digests = write_schedule(plan, plan_frame, len(caches), more)
+        return caches, plan, digest, schedule_program(phases, plan, digest, tables, digests)
 
     def stats(self) -> LoaderStats:
         """A copy of the loader's running counters: samples, bytes, waits and stage times.
@@ -492,8 +487,9 @@ class Loader:
             "shuffle": self._shuffle,
             "plan": self._fingerprint,
         }
-        if self._weights.head is not None:
-            state["history"] = self._weights.head  # the newest re-weight
+        head = self._weights.durable_head()
+        if head is not None:
+            state["history"] = head  # the newest re-weight, on disk
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

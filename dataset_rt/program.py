@@ -17,6 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +29,13 @@ from typing import Any
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt.errors import ArgumentError, LoaderStateError, MetadataError, WeightError
+from dataset_rt.errors import (
+    ArgumentError,
+    DatasetRTError,
+    LoaderStateError,
+    MetadataError,
+    WeightError,
+)
 from dataset_rt.metadata import check_weights, link_columns
 from dataset_rt.pipeline import LoaderSpec
 
@@ -144,9 +154,32 @@ def phase_weights(
         raise MetadataError(f"{label}: the weights could not be computed: {exc}") from exc
 
 
-def write_weights(path: str | os.PathLike[str], weights: pl.Series) -> str:
+def write_weights(path: str | os.PathLike[str], weights: pl.Series, *, sync: bool) -> str:
     """Writes the alias table of ``weights`` (checked Float64) to ``path``; returns its digest."""
-    return _native.write_table(path, pl.DataFrame({"weight": weights}), "weight")
+    return _native.write_table(path, pl.DataFrame({"weight": weights}), "weight", sync)
+
+
+def write_schedule(
+    plan: str, plan_frame: pl.DataFrame, num_caches: int, more: list[pl.Series]
+) -> tuple[str, list[str], list[str]]:
+    """Writes a scheduled loader's plan and its other weight tables, on threads.
+
+    The plan holds the first weights; the alias tables of the ``more`` weights go beside it.
+    Each write builds its table with the GIL released. Returns the plan's digest and the
+    tables' paths and digests.
+
+    The files are the loader's own, in a temporary directory: nothing syncs them to disk.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    directory = os.path.dirname(plan)
+    paths = [os.path.join(directory, f"weights-{j}.bin") for j in range(len(more))]
+    with ThreadPoolExecutor(max_workers=min(1 + len(more), os.cpu_count() or 1)) as pool:
+        plan_job = pool.submit(_native.write_plan, plan, plan_frame, num_caches, True)
+        jobs = [
+            pool.submit(write_weights, p, w, sync=False) for p, w in zip(paths, more, strict=True)
+        ]
+        return plan_job.result(), paths, [job.result() for job in jobs]
 
 
 @dataclass(frozen=True)
@@ -231,17 +264,15 @@ def schedule_weights(
 
 
 def schedule_program(
-    phases: Sequence[Phase], plan: str, plan_digest: str, more: list[pl.Series], directory: str
+    phases: Sequence[Phase], plan: str, plan_digest: str, tables: list[str], digests: list[str]
 ) -> Program:
     """The program of a schedule whose first weights are in the plan's own table.
 
-    ``more`` are the other weights :func:`schedule_weights` gave; their tables are written
-    to ``directory``.
+    ``tables`` (with ``digests``) hold the other weights :func:`schedule_weights` gave, in
+    its order.
     """
-    paths, digests = [plan], [plan_digest]
-    for j, weights in enumerate(more):
-        paths.append(os.path.join(directory, f"weights-{j}.bin"))
-        digests.append(write_weights(paths[-1], weights))
+    paths, digests = [plan, *tables], [plan_digest, *digests]
+    more = tables
     # Table i is phase i's weights; the blends' targets follow, in phase order.
     targets = iter(range(len(phases), len(phases) + len(more)))
     segments = []
@@ -260,19 +291,15 @@ def preview(
 
     With ``draw`` and ``phase`` columns; computed by the loader's own code, without caches.
     """
-    import shutil
-    import tempfile
-
     ids = pl.Series("sample_id", range(data.height), dtype=pl.Int64)
     first, *more = schedule_weights(data, ids, phases)
     total = data.height if total is None else total
     directory = tempfile.mkdtemp(prefix="dataset_rt-preview-")
     try:
         plan = os.path.join(directory, "plan.bin")
-        digest = _native.write_plan(
-            plan, pl.DataFrame({"sample_id": ids, "weight": first}), 1, True
-        )
-        program = schedule_program(phases, plan, digest, more, directory)
+        plan_frame = pl.DataFrame({"sample_id": ids, "weight": first})
+        digest, tables, digests = write_schedule(plan, plan_frame, 1, more)
+        program = schedule_program(phases, plan, digest, tables, digests)
         drawn = pl.DataFrame(
             _native.draws_at(
                 plan,
@@ -320,35 +347,42 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def record_reweight(
-    directory: Path, previous: str | None, base: str, start: int, weights: pl.Series
-) -> tuple[str, str, str]:
-    """Persists one re-weight: its table (content-addressed) and its history entry.
+def commit_reweight(directory: Path, staged: str, entry: dict[str, Any], entry_id: str) -> None:
+    """Copies a staged table into the history directory, then writes its entry.
 
-    Returns the entry's id, the table's path and its digest.
+    The table is named by its checksum and synced to disk before the entry names it.
     """
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        scratch = directory / f".weights-{os.getpid()}-{id(weights):x}.new"
-        digest = write_weights(scratch, weights)
-        table = directory / f"weights-{digest}.bin"
+        table = directory / f"weights-{entry['table']}.bin"
+        scratch = directory / f".weights-{os.getpid()}-{threading.get_ident():x}.new"
+        shutil.copyfile(staged, scratch)
+        fd = os.open(scratch, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(scratch, table)
-        entry = {
-            "format": HISTORY_FORMAT,
-            "previous": previous,
-            "base": base,
-            "start": start,
-            "table": digest,
-            "rows": weights.len(),
-        }
-        entry_id = _entry_id(entry)
         _write_atomic(directory / f"reweight-{entry_id}.json", json.dumps(entry).encode())
     except OSError as exc:
-        raise ArgumentError(
-            f"the re-weight could not be saved in {str(directory)!r} ({exc}); pass the loader "
-            "a writable history=<directory>"
-        ) from exc
-    return entry_id, str(table), digest
+        raise _unsaved(directory, exc) from exc
+
+
+def _unsaved(directory: Path, exc: OSError) -> ArgumentError:
+    return ArgumentError(
+        f"the re-weight could not be saved in {str(directory)!r} ({exc}); pass the loader "
+        "a writable history=<directory>"
+    )
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new directory for a loader's own files.
+
+    In /dev/shm where there is one, so that the files stay in RAM and worker processes
+    share their pages.
+    """
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
 
 
 def read_history(directory: Path, head: str, base: str, rows: int) -> list[tuple[int, str, str]]:
@@ -405,25 +439,71 @@ class Weights:
         self.program = base
         self.head: str | None = None
         self.versions = 0
+        self._pending: _Commit | None = None
+        self._directory: str | None = None
+
+    def _scratch(self) -> str:
+        if self._directory is None:
+            self._directory = scratch_dir("dataset_rt-weights-")
+            weakref.finalize(self, shutil.rmtree, self._directory, True)
+        return self._directory
 
     def _start(self) -> Program:
         return self.base or single_program(self.plan, self.plan_digest)
 
     def reweight(self, start: int, weights: pl.Series) -> None:
-        """Draws from global draw ``start`` on use ``weights``, recorded in the history."""
-        entry, table, digest = record_reweight(
-            self.history, self.head, self.fingerprint, start, weights
-        )
+        """Draws from global draw ``start`` on use ``weights``, recorded in the history.
+
+        The new weights are in force at once; making them durable (syncing the table, then
+        writing the entry that names it) runs on a thread, which :meth:`durable_head` waits
+        for: a state is only handed out once what it names is on disk.
+        """
+        self.wait()
+        try:
+            self.history.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _unsaved(self.history, exc) from exc
+        if not os.access(self.history, os.W_OK):
+            raise _unsaved(self.history, PermissionError("not writable"))
+        # In force from a file of the loader's own; the history gets its copy meanwhile.
+        table = os.path.join(self._scratch(), f"reweight-{self.versions + 1}.bin")
+        try:
+            digest = write_weights(table, weights, sync=False)
+        except DatasetRTError:
+            explain(weights, self.plan)  # names the sample whose weight the engine refused
+            raise
+        entry = {
+            "format": HISTORY_FORMAT,
+            "previous": self.head,
+            "base": self.fingerprint,
+            "start": start,
+            "table": digest,
+            "rows": weights.len(),
+        }
+        entry_id = _entry_id(entry)
+        self._pending = _Commit(self.history, table, entry, entry_id)
         program = (self.program or self._start()).with_segment(
             start, table, digest, self.versions + 1
         )
-        self.program, self.head, self.versions = program, entry, self.versions + 1
+        self.program, self.head, self.versions = program, entry_id, self.versions + 1
+
+    def wait(self) -> None:
+        """Waits until the last re-weight is on disk; raises what kept it from it."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
+
+    def durable_head(self) -> str | None:
+        """The newest re-weight's id, once it is on disk."""
+        self.wait()
+        return self.head
 
     def restore(self, head: object, rows: int) -> bool:
         """Brings back the re-weights up to entry ``head``; whether anything changed.
 
         Everything is read and checked before anything changes.
         """
+        self.wait()
         if head == self.head:
             return False
         if head is not None and not isinstance(head, str):
@@ -434,6 +514,27 @@ class Weights:
             program = (program or self._start()).with_segment(start, table, digest, version)
         self.program, self.head, self.versions = program, head, len(chain)
         return True
+
+
+class _Commit(threading.Thread):
+    """:func:`commit_reweight` on a thread of its own; ``join()`` raises what it raised."""
+
+    def __init__(self, directory: Path, staged: str, entry: dict[str, Any], entry_id: str) -> None:
+        super().__init__(name="dataset_rt-reweight", daemon=False)
+        self._args = (directory, staged, entry, entry_id)
+        self._error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            commit_reweight(*self._args)
+        except BaseException as exc:  # handed to the thread that joins
+            self._error = exc
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self._error is not None:
+            raise self._error
 
 
 def row_weights(
@@ -462,19 +563,26 @@ def row_weights(
 
 
 def checked(weights: pl.Series, plan: str) -> pl.Series:
-    """``check_weights`` for a loader's rows.
+    """The weights as Float64, with nulls refused.
 
-    The plan's sample ids are read only to name the sample of a bad weight.
+    The other bad weights (negative, NaN, infinite, all zero) are left to the engine, which
+    refuses them while it builds their table: :func:`explain` then names the sample.
     """
+    if not (weights.dtype.is_numeric() or weights.dtype == pl.Null):
+        raise WeightError(f"reweight: column 'weight' must be numeric, not {weights.dtype}")
+    weights = weights.cast(pl.Float64)
+    if weights.null_count():
+        explain(weights, plan)
+    return weights
+
+
+def explain(weights: pl.Series, plan: str) -> None:
+    """Raises the :class:`WeightError` that names a loader's sample with a bad weight."""
+    ids = pl.DataFrame(_native.plan_samples(plan))["sample_id"]
     try:
-        return check_weights(weights, pl.int_range(0, weights.len(), eager=True))
-    except WeightError:
-        ids = pl.DataFrame(_native.plan_samples(plan))["sample_id"]
-        try:
-            check_weights(weights, ids)
-        except WeightError as exc:
-            raise WeightError(f"reweight: {exc}") from None
-        raise  # pragma: no cover - the same weights fail both times
+        check_weights(weights, ids)
+    except WeightError as exc:
+        raise WeightError(f"reweight: {exc}") from None
 
 
 # -- reading a re-weight frame -----------------------------------------------------------------
@@ -536,9 +644,7 @@ def reweight_from_frame(frame: pl.DataFrame, plan: str, cache_ids: Sequence[str]
                 "a loader over fewer rows"
             )
         weights = joined["weight"]
-    if not (weights.dtype.is_numeric() or weights.dtype == pl.Null):
-        raise WeightError(f"reweight: column 'weight' must be numeric, not {weights.dtype}")
-    return checked(weights.cast(pl.Float64), plan)
+    return checked(weights, plan)
 
 
 # -- what the model sees -----------------------------------------------------------------------
@@ -579,12 +685,13 @@ def seen_frame(
             step=stride,
         )
     )
-    position = drawn["position"].cast(pl.Int64)
+    position = drawn["position"]
     segment = drawn["segment"]
     cache_ids = pl.Series("cache_id", spec.cache_ids, dtype=pl.String)
     n = len(position)
-    if program is None:
-        phase = pl.repeat("phase 0", n, eager=True, dtype=pl.String)
+    if program is None or len(program.segments) == 1:
+        label = "phase 0" if program is None else program.segments[0].phase
+        phase = pl.repeat(label, n, eager=True, dtype=pl.String)
         version = pl.repeat(0, n, eager=True, dtype=pl.UInt32)
     else:
         labels = program.labels()
@@ -592,11 +699,11 @@ def seen_frame(
     return pl.DataFrame(
         {
             "epoch": pl.repeat(epoch, n, eager=True, dtype=pl.Int64),
-            "step": (position // world) // batch,
+            "step": position // (world * batch),
             "rank": position % world,
             "position": position,
             "cache_id": cache_ids.gather(drawn["cache"]),
-            "sample_id": drawn["sample_id"].cast(pl.Int64),
+            "sample_id": drawn["sample_id"],
             "phase": phase,
             "version": version,
         }

@@ -46,7 +46,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (["fuzz.py", "--smoke"], ["damaged local caches", "in a local S3 server", "findings: 0"]),
         (
             ["program.py", "--smoke"],
-            ["phase 2:", "3-phase schedule", "reweight + first batch", "seen(all_ranks=True)"],
+            ["phase 2:", "3-phase schedule", "per-sample losses", "seen(all_ranks=True)"],
         ),
     ],
     ids=[

@@ -32,10 +32,10 @@ use crate::sampler::{mix64, AliasTable, EpochRandom};
 
 const HEADER_LEN: usize = crate::plan::HEADER_LEN;
 
-/// Writes the alias table of `weights` to `path`, crash-safely: to a temporary name first,
-/// synced, then renamed. Returns the xxh3-64 of the file. Errors name `column` and the
-/// first bad weight's row.
-pub fn write_table(path: &Path, weights: &[f64], column: &str) -> Result<u64> {
+/// Writes the alias table of `weights` to `path`: to a temporary name first, synced to disk
+/// if `sync` says so, then renamed. Returns the xxh3-64 of the file. Errors name `column`
+/// and the first bad weight's row.
+pub fn write_table(path: &Path, weights: &[f64], column: &str, sync: bool) -> Result<u64> {
     let table = AliasTable::new(weights, column)?;
     let partial = path.with_extension("partial");
     let file = std::fs::File::create(&partial).at(&partial)?;
@@ -51,7 +51,9 @@ pub fn write_table(path: &Path, weights: &[f64], column: &str) -> Result<u64> {
         .into_inner()
         .map_err(|e| e.into_error())
         .at(&partial)?;
-    file.sync_all().at(&partial)?;
+    if sync {
+        file.sync_all().at(&partial)?;
+    }
     std::fs::rename(&partial, path).at(path)?;
     Ok(digest)
 }
@@ -200,28 +202,95 @@ pub fn row_at(
     }
 }
 
-/// What positions `positions` of epoch `epoch` (of `total` draws) draw under `seed`.
+/// What `count` positions `start, start + step, ...` of epoch `epoch` (of `total` draws)
+/// draw under `seed`. Large counts are split across the machine's cores: each draw is a
+/// few independent reads of the mapped plan and tables, so threads scale it.
 pub fn draw_positions(
     plan: &Plan,
     program: Option<&Program>,
     seed: u64,
     epoch: u64,
     total: u64,
-    positions: impl Iterator<Item = u64>,
+    (start, step, count): (u64, u64, usize),
 ) -> Drawn {
     let random = EpochRandom::new(seed, epoch);
     let first = epoch.saturating_mul(total);
-    let mut out = Drawn::default();
-    for position in positions {
-        let (row, segment) = row_at(plan, program, random, first, position);
-        let (cache, sample_id) = plan.sample(row);
-        out.positions.push(position);
-        out.rows.push(row);
-        out.caches.push(cache);
-        out.sample_ids.push(sample_id);
-        out.segments.push(segment);
+    let mut out = Drawn {
+        positions: vec![0; count],
+        rows: vec![0; count],
+        caches: vec![0; count],
+        sample_ids: vec![0; count],
+        segments: vec![0; count],
+    };
+    // Two passes: all rows first, then their samples. Each pass's reads of the mapped
+    // files are independent of one another, so the processor keeps many in flight at once.
+    let fill = |offset: usize, part: DrawnPart<'_>| {
+        let DrawnPart(positions, rows, caches, sample_ids, segments) = part;
+        for (i, position) in positions.iter_mut().enumerate() {
+            *position = start + step * (offset + i) as u64;
+            (rows[i], segments[i]) = row_at(plan, program, random, first, *position);
+        }
+        for (i, &row) in rows.iter().enumerate() {
+            (caches[i], sample_ids[i]) = plan.sample(row);
+        }
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(count.div_ceil(1 << 16));
+    if threads <= 1 {
+        fill(0, out.part(0, count));
+        return out;
     }
+    let chunk = count.div_ceil(threads);
+    let parts: Vec<DrawnPart<'_>> = out.parts(chunk);
+    std::thread::scope(|scope| {
+        for (k, part) in parts.into_iter().enumerate() {
+            let fill = &fill;
+            scope.spawn(move || fill(k * chunk, part));
+        }
+    });
     out
+}
+
+/// Mutable slices of the same positions of each column of a [`Drawn`].
+struct DrawnPart<'a>(
+    &'a mut [u64],
+    &'a mut [u64],
+    &'a mut [u32],
+    &'a mut [u64],
+    &'a mut [u32],
+);
+
+impl Drawn {
+    fn part(&mut self, from: usize, to: usize) -> DrawnPart<'_> {
+        DrawnPart(
+            &mut self.positions[from..to],
+            &mut self.rows[from..to],
+            &mut self.caches[from..to],
+            &mut self.sample_ids[from..to],
+            &mut self.segments[from..to],
+        )
+    }
+
+    /// The columns cut into consecutive parts of `chunk` positions.
+    fn parts(&mut self, chunk: usize) -> Vec<DrawnPart<'_>> {
+        let mut positions = self.positions.chunks_mut(chunk);
+        let mut rows = self.rows.chunks_mut(chunk);
+        let mut caches = self.caches.chunks_mut(chunk);
+        let mut sample_ids = self.sample_ids.chunks_mut(chunk);
+        let mut segments = self.segments.chunks_mut(chunk);
+        let mut out = Vec::new();
+        while let (Some(p), Some(r), Some(c), Some(i), Some(s)) = (
+            positions.next(),
+            rows.next(),
+            caches.next(),
+            sample_ids.next(),
+            segments.next(),
+        ) {
+            out.push(DrawnPart(p, r, c, i, s));
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -230,7 +299,7 @@ mod tests {
 
     fn table(dir: &Path, name: &str, weights: &[f64]) -> MappedTable {
         let path = dir.join(name);
-        write_table(&path, weights, "w").unwrap();
+        write_table(&path, weights, "w", true).unwrap();
         MappedTable::open(&path).unwrap()
     }
 
@@ -246,7 +315,7 @@ mod tests {
         }
         assert_eq!(
             file_digest(&dir.path().join("w")).unwrap(),
-            write_table(&dir.path().join("w2"), &weights, "w").unwrap()
+            write_table(&dir.path().join("w2"), &weights, "w", false).unwrap()
         );
     }
 
@@ -267,9 +336,18 @@ mod tests {
             }],
         )
         .unwrap();
-        let plain = draw_positions(&plan, None, 9, 3, 300, 0..1000);
-        let programmed = draw_positions(&plan, Some(&program), 9, 3, 300, 0..1000);
+        let plain = draw_positions(&plan, None, 9, 3, 300, (0, 1, 1000));
+        let programmed = draw_positions(&plan, Some(&program), 9, 3, 300, (0, 1, 1000));
         assert_eq!(plain.rows, programmed.rows);
+        // Many positions are drawn on several threads, in the same order as one by one.
+        let many = draw_positions(&plan, Some(&program), 9, 3, 300, (5, 3, 200_000));
+        let random = EpochRandom::new(9, 3);
+        for (i, &position) in many.positions.iter().enumerate() {
+            assert_eq!(position, 5 + 3 * i as u64);
+            let (row, _) = program.draw(random, 900 + position, position);
+            assert_eq!(many.rows[i], row);
+            assert_eq!(many.sample_ids[i], row);
+        }
     }
 
     #[test]
@@ -329,7 +407,7 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 4]).unwrap();
         assert!(MappedTable::open(&path).is_err());
-        assert!(write_table(&dir.path().join("c"), &[0.0, 0.0], "w").is_err());
+        assert!(write_table(&dir.path().join("c"), &[0.0, 0.0], "w", true).is_err());
         assert!(!dir.path().join("c").exists());
     }
 }

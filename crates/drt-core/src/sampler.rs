@@ -139,10 +139,13 @@ pub fn pick(bits: u64, n: u64, threshold: impl Fn(u64) -> u32, alias: impl Fn(u6
     let column = ((bits as u128 * n as u128) >> 64) as u64;
     // The low 32 bits are independent of the high bits that chose the column.
     let coin = mix64(bits ^ 0xd1b5_4a32_d192_ed03) as u32;
-    if coin < threshold(column) {
+    // Both reads are issued before either is needed, so that over a large table their
+    // cache misses overlap instead of the alias waiting for the threshold.
+    let (threshold, alias) = (threshold(column), alias(column));
+    if coin < threshold {
         column
     } else {
-        u64::from(alias(column))
+        u64::from(alias)
     }
 }
 

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use arrow_array::ffi_stream::FFI_ArrowArrayStream;
 use arrow_array::types::Float64Type;
-use arrow_array::{ArrayRef, RecordBatch, RecordBatchIterator, UInt32Array, UInt64Array};
+use arrow_array::{
+    ArrayRef, Int64Array, RecordBatch, RecordBatchIterator, UInt32Array, UInt64Array,
+};
 use drt_core::plan::{MappedTable, Plan};
 use drt_core::program::{draw_positions, Program, Segment};
 use pyo3::exceptions::PyValueError;
@@ -63,18 +65,19 @@ impl PyProgram {
 }
 
 /// Writes the alias table of the Float64 column `column` of `frame` (no nulls) to `path`,
-/// crash-safely; returns the file's xxh3-64 in hex.
+/// by rename, synced to disk first if `sync`; returns the file's xxh3-64 in hex.
 #[pyfunction]
 pub fn write_table(
     py: Python<'_>,
     path: PathBuf,
     frame: &Bound<'_, PyAny>,
     column: &str,
+    sync: bool,
 ) -> PyResult<String> {
     let batches = read_arrow(frame)?;
     let weights = primitive_column::<Float64Type>(&batches, column)?;
     let digest = run(py, || {
-        drt_core::program::write_table(&path, &weights, column)
+        drt_core::program::write_table(&path, &weights, column, sync)
     })?;
     Ok(format!("{digest:016x}"))
 }
@@ -132,21 +135,28 @@ pub fn draws_at(
     let program = program.map(|p| p.inner.clone());
     let drawn = run(py, || {
         let plan = Plan::open(&plan_path)?;
-        let positions = (start..stop.max(start)).step_by(step as usize);
+        let count = usize::try_from(stop.saturating_sub(start).div_ceil(step))
+            .map_err(|_| drt_core::Error::InvalidArgument("too many positions".into()))?;
         Ok(draw_positions(
             &plan,
             program.as_deref(),
             seed,
             epoch,
             total,
-            positions,
+            (start, step, count),
         ))
     })?;
     columns(vec![
-        ("position", Arc::new(UInt64Array::from(drawn.positions))),
+        (
+            "position",
+            Arc::new(Int64Array::from(signed(drawn.positions))),
+        ),
         ("row", Arc::new(UInt64Array::from(drawn.rows))),
         ("cache", Arc::new(UInt32Array::from(drawn.caches))),
-        ("sample_id", Arc::new(UInt64Array::from(drawn.sample_ids))),
+        (
+            "sample_id",
+            Arc::new(Int64Array::from(signed(drawn.sample_ids))),
+        ),
         ("segment", Arc::new(UInt32Array::from(drawn.segments))),
     ])
 }
@@ -164,6 +174,11 @@ pub fn plan_samples(py: Python<'_>, plan_path: PathBuf) -> PyResult<PyColumns> {
         ("cache", Arc::new(UInt32Array::from(caches))),
         ("sample_id", Arc::new(UInt64Array::from(sample_ids))),
     ])
+}
+
+/// Positions and sample ids as Polars' frames hold them (Int64); both are below 2^63.
+fn signed(values: Vec<u64>) -> Vec<i64> {
+    values.into_iter().map(|v| v as i64).collect()
 }
 
 fn columns(columns: Vec<(&str, ArrayRef)>) -> PyResult<PyColumns> {
