@@ -30,16 +30,15 @@ from dataset_rt.pipeline import Collate, LoaderSpec, Transform, assemble
 from dataset_rt.program import (
     Phase,
     Program,
-    Weights,
     WeightSource,
     check_phases,
-    row_weights,
     schedule_program,
     schedule_weights,
     scratch_dir,
     seen_frame,
     write_schedule,
 )
+from dataset_rt.reweights import Weights, row_weights
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
 

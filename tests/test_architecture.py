@@ -87,7 +87,17 @@ PYTHON_LAYERS = [
     {"__init__", "_version_check"},
     {"errors", "roots", "progress", "serialize", "metadata", "plugins", "processes", "objects"},
     {"registry", "verify", "fetch", "caches", "build", "remote"},
-    {"pipeline", "collate", "workers", "program", "loader", "summary", "namespace", "ray"},
+    {
+        "pipeline",
+        "collate",
+        "workers",
+        "program",
+        "reweights",
+        "loader",
+        "summary",
+        "namespace",
+        "ray",
+    },
     {"bench", "cli", "demo"},
 ]
 
