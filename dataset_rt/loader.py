@@ -538,9 +538,11 @@ class Loader:
         """Draws by new weights from the next epoch on, or from ``step`` of this epoch.
 
         Draws before that point are unchanged, so a state saved at any point resumes the
-        same stream. The new weights are written once, to the loader's ``history``
-        directory, where every worker and rank maps them and :meth:`load_state_dict` finds
-        them again. A loader being iterated switches at that point: batches read ahead are
+        same stream; everything after that point, later schedule phases included, draws by
+        the new weights. Their table is built once and shared with the worker processes; a
+        copy goes to the loader's ``history`` directory, where :meth:`load_state_dict` finds
+        it again. With several ranks, every rank must re-weight with the same weights at the
+        same step. A loader being iterated switches at that point: batches read ahead are
         read again by the new weights.
 
         Parameters

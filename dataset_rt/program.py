@@ -10,6 +10,7 @@ Re-weights (:mod:`dataset_rt.reweights`) append segments to a loader's program.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -98,8 +99,10 @@ def check_phases(schedule: object) -> list[Phase]:
                 )
             continue
         until = phase.until
-        if isinstance(until, bool) or not isinstance(until, int):
-            raise ArgumentError(f"schedule[{i}].until must be an integer, got {until!r}")
+        if isinstance(until, bool) or not isinstance(until, int) or until >= 2**63:
+            raise ArgumentError(
+                f"schedule[{i}].until must be an integer below 2**63, got {until!r}"
+            )
         if until <= start:
             raise ArgumentError(
                 f"schedule[{i}] ends at draw {until}, not after its start at draw {start}: "
@@ -197,16 +200,21 @@ class Program:
 
     def with_segment(self, segment_start: int, table: str, digest: str, version: int) -> Program:
         """The program with draws from ``segment_start`` on taken from ``table``."""
-        tables, digests = list(self.tables), list(self.digests)
-        if digest in digests:
-            index = digests.index(digest)
-        else:
+        kept = [s for s in self.segments if s.start < segment_start]
+        # Only the tables that the kept segments use stay mapped.
+        used = sorted({s.table for s in kept} | {s.to for s in kept if s.to is not None})
+        index = {old: new for new, old in enumerate(used)}
+        tables = [self.tables[i] for i in used]
+        digests = [self.digests[i] for i in used]
+        kept = [
+            dataclasses.replace(s, table=index[s.table], to=None if s.to is None else index[s.to])
+            for s in kept
+        ]
+        if digest not in digests:
             tables.append(table)
             digests.append(digest)
-            index = len(tables) - 1
-        kept = [s for s in self.segments if s.start < segment_start]
-        kept.append(Segment(segment_start, index, None, None, "reweight", version))
-        return Program(tables, digests, kept)
+        new = Segment(segment_start, digests.index(digest), None, None, "reweight", version)
+        return Program(tables, digests, [*kept, new])
 
     @property
     def fingerprint(self) -> str:
@@ -344,7 +352,7 @@ def seen_frame(
         steps = range(steps, steps + 1)
     if not isinstance(steps, range) or steps.step != 1 or steps.start < 0:
         raise ArgumentError(f"steps must be a step or a range of steps (step 1), got {steps!r}")
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 2**63:
         raise ArgumentError(f"epoch must be a non-negative integer, got {epoch!r}")
     # Rank r's j-th position is r + world * j; its step is j // batch.
     first = min(steps.start * batch, layout.per_rank)
@@ -370,9 +378,9 @@ def seen_frame(
     cache_ids = pl.Series("cache_id", spec.cache_ids, dtype=pl.String)
     n = len(position)
     if program is None or len(program.segments) == 1:
-        label = "phase 0" if program is None else program.segments[0].phase
-        phase = pl.repeat(label, n, eager=True, dtype=pl.String)
-        version = pl.repeat(0, n, eager=True, dtype=pl.UInt32)
+        only = Segment(0, 0, None, None, "phase 0", 0) if program is None else program.segments[0]
+        phase = pl.repeat(only.phase, n, eager=True, dtype=pl.String)
+        version = pl.repeat(only.version, n, eager=True, dtype=pl.UInt32)
     else:
         labels = program.labels()
         phase, version = labels["phase"].gather(segment), labels["version"].gather(segment)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import threading
+import uuid
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,7 +50,7 @@ def _entry_id(entry: dict[str, Any]) -> str:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
     with open(partial, "wb") as f:
         f.write(data)
         f.flush()
@@ -69,7 +70,7 @@ def commit_reweight(directory: Path, staged: str, entry: dict[str, Any], entry_i
     """
     try:
         table = directory / f"weights-{entry['table']}.bin"
-        scratch = directory / f".weights-{os.getpid()}-{threading.get_ident():x}.new"
+        scratch = directory / f".weights-{uuid.uuid4().hex}.new"
         shutil.copyfile(staged, scratch)
         fd = os.open(scratch, os.O_RDONLY)
         try:
@@ -143,13 +144,15 @@ class Weights:
         self.program = base
         self.head: str | None = None
         self.versions = 0
-        self._pending: _Commit | None = None
+        # The re-weight being made durable, in a list that the scratch directory's
+        # finalizer shares: it waits for the copy before removing what is copied.
+        self._pending: list[_Commit | None] = [None]
         self._directory: str | None = None
 
     def _scratch(self) -> str:
         if self._directory is None:
             self._directory = scratch_dir("dataset_rt-weights-")
-            weakref.finalize(self, shutil.rmtree, self._directory, True)
+            weakref.finalize(self, _remove_scratch, self._directory, self._pending)
         return self._directory
 
     def _start(self) -> Program:
@@ -163,6 +166,7 @@ class Weights:
         for: a state is only handed out once what it names is on disk.
         """
         self.wait()
+        previous = self.program
         try:
             self.history.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -185,17 +189,33 @@ class Weights:
             "rows": weights.len(),
         }
         entry_id = _entry_id(entry)
-        self._pending = _Commit(self.history, table, entry, entry_id)
         program = (self.program or self._start()).with_segment(
             start, table, digest, self.versions + 1
         )
+        self._pending[0] = _Commit(self.history, table, entry, entry_id)
         self.program, self.head, self.versions = program, entry_id, self.versions + 1
+        # Tables of the loader's own that neither this program nor the one before it uses
+        # (an iterator of the one before may still be closing) are no longer needed.
+        used = set(program.tables) | set(previous.tables if previous is not None else ())
+        for name in os.listdir(self._scratch()):
+            path = os.path.join(self._scratch(), name)
+            if path not in used:
+                os.unlink(path)
 
     def wait(self) -> None:
-        """Waits until the last re-weight is on disk; raises what kept it from it."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
+        """Waits until the last re-weight is on disk; raises what kept it from it.
+
+        A copy that failed (a full disk) is tried once more; while it fails, the re-weight
+        stays pending, and no state names it.
+        """
+        pending = self._pending[0]
+        if pending is None:
+            return
+        try:
             pending.join()
+        except DatasetRTError:
+            commit_reweight(*pending.args)
+        self._pending[0] = None
 
     def durable_head(self) -> str | None:
         """The newest re-weight's id, once it is on disk."""
@@ -207,7 +227,10 @@ class Weights:
 
         Everything is read and checked before anything changes.
         """
-        self.wait()
+        try:
+            self.wait()
+        except DatasetRTError as exc:
+            raise LoaderStateError(f"the loader's last re-weight is not saved: {exc}") from exc
         if head == self.head:
             return False
         if head is not None and not isinstance(head, str):
@@ -225,13 +248,13 @@ class _Commit(threading.Thread):
 
     def __init__(self, directory: Path, staged: str, entry: dict[str, Any], entry_id: str) -> None:
         super().__init__(name="dataset_rt-reweight", daemon=False)
-        self._args = (directory, staged, entry, entry_id)
+        self.args = (directory, staged, entry, entry_id)
         self._error: BaseException | None = None
         self.start()
 
     def run(self) -> None:
         try:
-            commit_reweight(*self._args)
+            commit_reweight(*self.args)
         except BaseException as exc:  # handed to the thread that joins
             self._error = exc
 
@@ -239,6 +262,13 @@ class _Commit(threading.Thread):
         super().join(timeout)
         if self._error is not None:
             raise self._error
+
+
+def _remove_scratch(directory: str, pending: list[_Commit | None]) -> None:
+    commit = pending[0]
+    if commit is not None:
+        threading.Thread.join(commit)  # without raising: nothing can report it any more
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def row_weights(
@@ -315,6 +345,13 @@ def reweight_from_frame(frame: pl.DataFrame, plan: str, cache_ids: Sequence[str]
             "id": sid,
         }
     )
+    nulls = given.filter(pl.col("weight").is_null())
+    if nulls.height:
+        first = nulls.row(0, named=True)
+        raise WeightError(
+            f"reweight: weight None of sample_id {first['id']} of cache_id "
+            f"{first['cache_id']!r} is not allowed; weights must be finite and non-negative"
+        )
     on = ["cache", "sample_id"]
     if given.height == keys.height and given.select(on).equals(keys):
         weights = given["weight"]  # the loader's own frame, re-weighted: rows in its order

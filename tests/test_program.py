@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 from typing import Any
 
@@ -393,3 +394,54 @@ def test_the_epoch_preview_draws_what_the_scheduled_loader_draws(frame: pl.DataF
         )
     with pytest.raises(ArgumentError, match="apply to shuffled epochs"):
         frame.drt.epoch(shuffle=False, schedule=phases)
+
+
+def test_reweights_keep_padding_draws_and_clean_up_after_themselves(
+    frame: pl.DataFrame, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dataset_rt import reweights
+
+    frame = frame.with_columns(weight=pl.col("quality"))
+    options: dict[str, Any] = {"seed": 3, "collate": list, "history": tmp_path / "h"}
+    # 1,001 draws on 2 ranks: rank 1's last draw pads the epoch (position 1,001).
+    loader = frame.drt.loader(8, num_samples=1001, rank=1, world_size=2, **options)
+    list(loader)
+    before = loader.seen()
+    assert before["position"].max() == 1001
+    loader.reweight(np.ones(1000))  # from the next epoch: the padding draw stays as drawn
+    assert loader.seen().equals(before.with_columns(pl.lit(0, pl.UInt32).alias("version")))
+    # A re-weight that replaces every segment is version 1 in seen().
+    fresh = frame.drt.loader(8, **options)
+    fresh.reweight(np.ones(1000))
+    assert fresh.seen(0)["version"].to_list() == [1] * 8
+    # Weights that each fit but whose sum does not are refused, not drawn uniformly.
+    with pytest.raises(WeightError, match="sum to inf"):
+        fresh.reweight(np.full(1000, 1e307))
+    # A null weight in a frame is a bad weight, whatever the frame's order.
+    nulls = frame.select("cache_id", "sample_id", weight=pl.lit(None, pl.Float64))
+    for candidate in (nulls, nulls.reverse()):
+        with pytest.raises(WeightError, match="weight None of sample_id"):
+            fresh.reweight(candidate)
+    # Only the tables of the last two programs stay in RAM.
+    for i in range(4):
+        fresh.reweight(np.arange(1000) % (i + 2) + 1.0)
+    assert len(os.listdir(fresh._weights._scratch())) <= 2
+    # A history copy that fails is retried, and no state names it until it succeeds.
+    calls = []
+    original = reweights.commit_reweight
+
+    def failing(*args: Any) -> None:
+        calls.append(args)
+        raise ArgumentError("the re-weight could not be saved (disk full)")
+
+    monkeypatch.setattr(reweights, "commit_reweight", failing)
+    fresh.reweight(np.ones(1000))
+    for _ in range(2):
+        with pytest.raises(ArgumentError, match="disk full"):
+            fresh.state_dict()
+    monkeypatch.setattr(reweights, "commit_reweight", original)
+    state = fresh.state_dict()
+    assert (tmp_path / "h" / f"reweight-{state['history']}.json").is_file()
+    again = frame.drt.loader(8, **options)
+    again.load_state_dict(state)
+    assert again.seen(0).equals(fresh.seen(0))

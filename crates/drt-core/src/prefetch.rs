@@ -382,6 +382,7 @@ impl Source {
             self.program.as_deref(),
             self.random,
             self.first_draw,
+            self.schedule.total,
             position,
         );
         self.plan.sample(row)

@@ -186,18 +186,26 @@ pub struct Drawn {
     pub segments: Vec<u32>,
 }
 
-/// The row at `position` of an epoch whose first global draw is `first`: from the program
-/// when there is one, else from the plan (its table, or rows in order).
+/// The row at `position` of an epoch of `total` draws whose first global draw is `first`:
+/// from the program when there is one, else from the plan (its table, or rows in order).
+///
+/// Padding positions past `total` (drawn so that every rank gets as many batches) count as
+/// the epoch's last draw when the program places them: they belong to their own epoch, so a
+/// change of weights from the next epoch on leaves them as they were.
 #[inline]
 pub fn row_at(
     plan: &Plan,
     program: Option<&Program>,
     random: EpochRandom,
     first: u64,
+    total: u64,
     position: u64,
 ) -> (u64, u32) {
     match program {
-        Some(p) => p.draw(random, first.saturating_add(position), position),
+        Some(p) => {
+            let g = first.saturating_add(position.min(total.saturating_sub(1)));
+            p.draw(random, g, position)
+        }
         None => (plan.row_at(random, position), 0),
     }
 }
@@ -212,15 +220,22 @@ pub fn draw_positions(
     epoch: u64,
     total: u64,
     (start, step, count): (u64, u64, usize),
-) -> Drawn {
+) -> Result<Drawn> {
+    if let Some(p) = program.filter(|p| p.rows() != plan.rows()) {
+        crate::bail_arg!(
+            "the sampling program draws from {} rows but the plan has {}",
+            p.rows(),
+            plan.rows()
+        );
+    }
     let random = EpochRandom::new(seed, epoch);
     let first = epoch.saturating_mul(total);
     let mut out = Drawn {
-        positions: vec![0; count],
-        rows: vec![0; count],
-        caches: vec![0; count],
-        sample_ids: vec![0; count],
-        segments: vec![0; count],
+        positions: zeroed(count)?,
+        rows: zeroed(count)?,
+        caches: zeroed(count)?,
+        sample_ids: zeroed(count)?,
+        segments: zeroed(count)?,
     };
     // Two passes: all rows first, then their samples. Each pass's reads of the mapped
     // files are independent of one another, so the processor keeps many in flight at once.
@@ -228,7 +243,7 @@ pub fn draw_positions(
         let DrawnPart(positions, rows, caches, sample_ids, segments) = part;
         for (i, position) in positions.iter_mut().enumerate() {
             *position = start + step * (offset + i) as u64;
-            (rows[i], segments[i]) = row_at(plan, program, random, first, *position);
+            (rows[i], segments[i]) = row_at(plan, program, random, first, total, *position);
         }
         for (i, &row) in rows.iter().enumerate() {
             (caches[i], sample_ids[i]) = plan.sample(row);
@@ -239,7 +254,7 @@ pub fn draw_positions(
         .min(count.div_ceil(1 << 16));
     if threads <= 1 {
         fill(0, out.part(0, count));
-        return out;
+        return Ok(out);
     }
     let chunk = count.div_ceil(threads);
     let parts: Vec<DrawnPart<'_>> = out.parts(chunk);
@@ -249,7 +264,17 @@ pub fn draw_positions(
             scope.spawn(move || fill(k * chunk, part));
         }
     });
-    out
+    Ok(out)
+}
+
+/// `count` zeros, or an error instead of aborting when there is no memory for them.
+fn zeroed<T: Copy + Default>(count: usize) -> Result<Vec<T>> {
+    let mut values = Vec::new();
+    if values.try_reserve_exact(count).is_err() {
+        crate::bail_arg!("{count} draws do not fit in memory at once; ask for fewer steps");
+    }
+    values.resize(count, T::default());
+    Ok(values)
 }
 
 /// Mutable slices of the same positions of each column of a [`Drawn`].
@@ -336,15 +361,15 @@ mod tests {
             }],
         )
         .unwrap();
-        let plain = draw_positions(&plan, None, 9, 3, 300, (0, 1, 1000));
-        let programmed = draw_positions(&plan, Some(&program), 9, 3, 300, (0, 1, 1000));
+        let plain = draw_positions(&plan, None, 9, 3, 300, (0, 1, 1000)).unwrap();
+        let programmed = draw_positions(&plan, Some(&program), 9, 3, 300, (0, 1, 1000)).unwrap();
         assert_eq!(plain.rows, programmed.rows);
         // Many positions are drawn on several threads, in the same order as one by one.
-        let many = draw_positions(&plan, Some(&program), 9, 3, 300, (5, 3, 200_000));
+        let many = draw_positions(&plan, Some(&program), 9, 3, 300, (5, 3, 200_000)).unwrap();
         let random = EpochRandom::new(9, 3);
         for (i, &position) in many.positions.iter().enumerate() {
             assert_eq!(position, 5 + 3 * i as u64);
-            let (row, _) = program.draw(random, 900 + position, position);
+            let (row, _) = program.draw(random, 900 + position.min(299), position);
             assert_eq!(many.rows[i], row);
             assert_eq!(many.sample_ids[i], row);
         }

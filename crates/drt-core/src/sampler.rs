@@ -224,6 +224,8 @@ mod tests {
         assert!(AliasTable::new(&[0.0, 0.0], "w").is_err());
         assert!(AliasTable::new(&[1.0, -1.0], "w").is_err());
         assert!(AliasTable::new(&[1.0, f64::NAN], "w").is_err());
+        // Each finite, but their sum is not: scaling would make every row equally likely.
+        assert!(AliasTable::new(&[1e308, 1e308], "w").is_err());
     }
 
     #[test]

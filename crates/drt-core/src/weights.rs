@@ -30,6 +30,12 @@ pub fn checked_total(weights: impl IntoIterator<Item = Option<f64>>, column: &st
     for (row, w) in weights.into_iter().enumerate() {
         total += check_weight(row, w, column)?;
     }
+    if !total.is_finite() {
+        return Err(Error::InvalidArgument(format!(
+            "weight column {} sums to {total}; the weights must sum to a finite number",
+            quote(column)
+        )));
+    }
     if total > 0.0 {
         Ok(total)
     } else {

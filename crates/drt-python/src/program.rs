@@ -137,14 +137,14 @@ pub fn draws_at(
         let plan = Plan::open(&plan_path)?;
         let count = usize::try_from(stop.saturating_sub(start).div_ceil(step))
             .map_err(|_| drt_core::Error::InvalidArgument("too many positions".into()))?;
-        Ok(draw_positions(
+        draw_positions(
             &plan,
             program.as_deref(),
             seed,
             epoch,
             total,
             (start, step, count),
-        ))
+        )
     })?;
     columns(vec![
         (
