@@ -5,45 +5,26 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
-import os
-import shutil
 import sys
 import time
-import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt.caches import Cache, local_copy, open_by_id, restore_saved_plan, saved_plan
-from dataset_rt.errors import (
-    ArgumentError,
-    LoaderStateError,
-    MetadataError,
-    SerializationError,
-)
-from dataset_rt.metadata import check_weights, link_columns
-from dataset_rt.pipeline import Collate, LoaderSpec, Transform, assemble
-from dataset_rt.program import (
-    Phase,
-    Program,
-    WeightSource,
-    check_phases,
-    schedule_program,
-    schedule_weights,
-    scratch_dir,
-    seen_frame,
-    write_schedule,
-)
+from dataset_rt.caches import restore_saved_plan, saved_plan
+from dataset_rt.errors import ArgumentError, LoaderStateError
+from dataset_rt.pipeline import Collate, LoaderSpec, LoaderStats, Transform, assemble
+from dataset_rt.program import Phase, WeightSource, check_phases, seen_frame
 from dataset_rt.reweights import Weights, row_weights
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
+from dataset_rt.snapshot import decoder_of, remote_of, snapshot
 
 if TYPE_CHECKING:
-    from dataset_rt.fetch import RemoteSource, ShardPrefetch
+    from dataset_rt.fetch import ShardPrefetch
 
 __all__ = ["Loader", "LoaderStats", "loader_signature"]
 
@@ -76,52 +57,6 @@ def _distributed() -> tuple[int, int] | None:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return None
-
-
-@dataclass
-class LoaderStats:
-    """Running counters of a loader, summed over every iteration since it was created.
-
-    Read them during training to see what a stall comes from: a large ``wait_seconds``
-    means the consumer waited for batches (native reads without workers; worker output with
-    them); the other times say where the batches' preparation went. With workers, decode,
-    transform and collate times are summed over all workers, so they can exceed wall time.
-    """
-
-    batches: int = 0
-    """Batches yielded."""
-    samples: int = 0
-    """Samples in those batches."""
-    bytes_read: int = 0
-    """Payload bytes read from the shards for them."""
-    wait_seconds: float = 0.0
-    """Time the consuming loop spent waiting for the next batch to be read."""
-    decode_seconds: float = 0.0
-    """Time spent turning records' bytes into records."""
-    transform_seconds: float = 0.0
-    """Time spent in ``transform``."""
-    collate_seconds: float = 0.0
-    """Time spent in ``collate``."""
-    empty_queue: int = 0
-    """Batches for which the native reader had nothing ready (without workers): the
-    consumer waited on reading. Near 0 means reading keeps ahead of training."""
-    queue_depth_sum: int = 0
-    """Sum over batches of the batches ready in the reader's queue when one was taken
-    (without workers); ``queue_depth_sum / batches`` is the mean queue depth."""
-
-    @property
-    def mean_queue_depth(self) -> float:
-        """Batches ready in the reader's queue, on average, when the consumer took one."""
-        return self.queue_depth_sum / self.batches if self.batches else 0.0
-
-    def __str__(self) -> str:
-        return (
-            f"{self.batches:,} batches, {self.samples:,} samples, "
-            f"{self.bytes_read / 1e6:,.1f} MB read; waited {self.wait_seconds:.3f} s "
-            f"(queue empty for {self.empty_queue} batches, mean depth "
-            f"{self.mean_queue_depth:.1f}), decode {self.decode_seconds:.3f} s, "
-            f"transform {self.transform_seconds:.3f} s, collate {self.collate_seconds:.3f} s"
-        )
 
 
 class Loader:
@@ -238,7 +173,9 @@ class Loader:
             # An unchanged cache.scan(): its version's plan was written when it was saved.
             caches, (plan, digest, self._rows) = [saved[0]], saved[1:]
         else:
-            caches, plan, digest, program = self._write_plan(frame, root, phases)
+            taken = snapshot(self, frame, root, self._shuffle, phases)
+            caches, plan, digest, program = taken.caches, taken.plan, taken.digest, taken.program
+            self._rows = taken.rows
             if self._shuffle and phases is None:
                 restore_saved_plan(frame, plan)  # a scan whose saved plan was lost or damaged
         # Held for the loader's life: each epoch's native reader shares their mappings of
@@ -248,7 +185,7 @@ class Loader:
 
         if collate is None:
             collate = _default_collate()
-        decoders = tuple(self._decoder(c, decode, bool(copy)) for c in caches)
+        decoders = tuple(decoder_of(c, decode, bool(copy)) for c in caches)
         views = all(isinstance(d, PickleDecoder) for d in decoders)
         if views:
             # The same function without the class's Python-level __call__ in between.
@@ -277,7 +214,7 @@ class Loader:
             depth=prefetch,
             verify=bool(verify),
             views=views,
-            remotes=tuple(self._remote(c) for c in caches),
+            remotes=tuple(remote_of(c) for c in caches),
             program=None if program is None else program.native,
         )
         self._packed = b""
@@ -295,31 +232,6 @@ class Loader:
 
             # Packed here, so that a function workers cannot receive fails now.
             self._packed = pack(self._spec)
-
-    def _write_plan(
-        self,
-        frame: pl.DataFrame | pl.LazyFrame,
-        root: PathLike | None,
-        phases: list[Phase] | None,
-    ) -> tuple[list[Cache], str, str, Program | None]:
-        """Snapshots the frame into a plan file of this loader's own.
-
-        With a schedule, its phases' weight tables are written beside the plan. Returns
-        the caches, the plan's path, its digest and the schedule's program.
-        """
-        data = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
-        if not isinstance(data, pl.DataFrame):
-            raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
-        caches, plan_frame, more = self._snapshot(data, root, phases)
-        self._rows = plan_frame.height
-        directory = scratch_dir("dataset_rt-loader-")
-        weakref.finalize(self, shutil.rmtree, directory, True)
-        plan = os.path.join(directory, "plan.bin")
-        if phases is None:
-            digest = _native.write_plan(plan, plan_frame, len(caches), self._shuffle)
-            return caches, plan, digest, None
-        digest, tables, digests = write_schedule(plan, plan_frame, len(caches), more)
-        return caches, plan, digest, schedule_program(phases, plan, digest, tables, digests)
 
     def stats(self) -> LoaderStats:
         """A copy of the loader's running counters: samples, bytes, waits and stage times.
@@ -346,60 +258,6 @@ class Loader:
         world_size = _check_int("world_size", world_size, 1)
         return _check_int("rank", rank, 0, world_size - 1), world_size
 
-    def _snapshot(
-        self, data: pl.DataFrame, root: PathLike | None, phases: list[Phase] | None
-    ) -> tuple[list[Cache], pl.DataFrame, list[pl.Series]]:
-        weighted = self._shuffle and phases is None
-        needed = ["cache_id", "sample_id"] + (["weight"] if weighted else [])
-        missing = [c for c in needed if c not in data.columns]
-        if missing:
-            raise MetadataError(
-                f"a loader needs the frame's column(s) {missing}: cache_id and sample_id link "
-                "rows to records, and a shuffled loader draws by weight"
-            )
-        if data.height == 0:
-            raise MetadataError(
-                "the frame has no rows (a filter removed them all, or its cache is empty): "
-                "there is nothing to load"
-            )
-        cache_ids, ids = link_columns(data)
-        first = cache_ids[0]
-        columns: dict[str, pl.Series] = {"sample_id": ids}
-        if (cache_ids == first).all():
-            # One cache, the usual case: no per-row codes to compute or store.
-            caches = [open_by_id(first, root)]
-            bounds: list[tuple[int, int, int]] = [(0, cast(int, ids.min()), cast(int, ids.max()))]
-        else:
-            uniques = cache_ids.unique(maintain_order=True).to_list()
-            caches = [open_by_id(cid, root) for cid in uniques]
-            codes = cache_ids.replace_strict(uniques, range(len(uniques)), return_dtype=pl.UInt32)
-            columns["cache"] = codes
-            bounds = list(
-                pl.DataFrame({"cache": codes, "sample_id": ids})
-                .group_by("cache")
-                .agg(low=pl.col("sample_id").min(), high=pl.col("sample_id").max())
-                .iter_rows()
-            )
-        for code, low, high in bounds:
-            cache = caches[code]
-            if low < 0 or high >= len(cache):
-                bad = low if low < 0 else high
-                raise MetadataError(
-                    f"sample_id {bad} is not a sample of cache {cache.name!r} "
-                    f"({len(cache)} samples)"
-                )
-        more: list[pl.Series] = []
-        if weighted:
-            columns["weight"] = check_weights(data["weight"], ids)
-        elif phases is not None:
-            columns["weight"], *more = schedule_weights(data, ids, phases)
-        return caches, pl.DataFrame(columns), more
-
-    @staticmethod
-    def _remote(cache: Cache) -> RemoteSource | None:
-        copy = local_copy(cache.path)
-        return None if copy is None else copy.source
-
     def _shard_prefetch(self, schedule: _native.Schedule) -> ShardPrefetch | None:
         """Fetches the remote shards this epoch reads ahead of its batches; None if none is."""
         spec = self._spec
@@ -421,19 +279,6 @@ class Loader:
         limits = [r.local_limit for r in spec.remotes if r is not None and r.local_limit]
         budget = min(limits) // 2 if limits else None
         return fetch.ShardPrefetch(fetched, budget).start()  # type: ignore[arg-type]
-
-    @staticmethod
-    def _decoder(cache: Cache, decode: Decoder | None, copy: bool) -> Decoder:
-        if decode is not None:
-            return decode
-        if isinstance(cache.decoder, PickleDecoder):
-            return PickleDecoder(copy=copy)
-        if cache.decoder is None:
-            raise SerializationError(
-                f"cache {cache.name!r} was written with the serializer {cache.serializer}; "
-                "pass decode=<function from bytes to record> to the loader"
-            )
-        return cache.decoder
 
     # -- epochs and state ---------------------------------------------------------------------
     @property

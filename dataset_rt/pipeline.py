@@ -16,7 +16,7 @@ from dataset_rt import _native
 from dataset_rt.errors import CacheCorruptError, SerializationError, TransformError
 from dataset_rt.serialize import Decoder
 
-__all__ = ["Collate", "LoaderSpec", "Transform", "assemble", "decode_batch"]
+__all__ = ["Collate", "LoaderSpec", "LoaderStats", "Transform", "assemble", "decode_batch"]
 
 Collate = Callable[[list[Any]], Any]
 Transform = Callable[[Any], Any]
@@ -69,6 +69,52 @@ class LoaderSpec:
             # arrays view the shard, and collating is their one copy.
             views=self.views,
             program=self.program,
+        )
+
+
+@dataclass
+class LoaderStats:
+    """Running counters of a loader, summed over every iteration since it was created.
+
+    Read them during training to see what a stall comes from: a large ``wait_seconds``
+    means the consumer waited for batches (native reads without workers; worker output with
+    them); the other times say where the batches' preparation went. With workers, decode,
+    transform and collate times are summed over all workers, so they can exceed wall time.
+    """
+
+    batches: int = 0
+    """Batches yielded."""
+    samples: int = 0
+    """Samples in those batches."""
+    bytes_read: int = 0
+    """Payload bytes read from the shards for them."""
+    wait_seconds: float = 0.0
+    """Time the consuming loop spent waiting for the next batch to be read."""
+    decode_seconds: float = 0.0
+    """Time spent turning records' bytes into records."""
+    transform_seconds: float = 0.0
+    """Time spent in ``transform``."""
+    collate_seconds: float = 0.0
+    """Time spent in ``collate``."""
+    empty_queue: int = 0
+    """Batches for which the native reader had nothing ready (without workers): the
+    consumer waited on reading. Near 0 means reading keeps ahead of training."""
+    queue_depth_sum: int = 0
+    """Sum over batches of the batches ready in the reader's queue when one was taken
+    (without workers); ``queue_depth_sum / batches`` is the mean queue depth."""
+
+    @property
+    def mean_queue_depth(self) -> float:
+        """Batches ready in the reader's queue, on average, when the consumer took one."""
+        return self.queue_depth_sum / self.batches if self.batches else 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.batches:,} batches, {self.samples:,} samples, "
+            f"{self.bytes_read / 1e6:,.1f} MB read; waited {self.wait_seconds:.3f} s "
+            f"(queue empty for {self.empty_queue} batches, mean depth "
+            f"{self.mean_queue_depth:.1f}), decode {self.decode_seconds:.3f} s, "
+            f"transform {self.transform_seconds:.3f} s, collate {self.collate_seconds:.3f} s"
         )
 
 

@@ -93,6 +93,7 @@ PYTHON_LAYERS = [
         "workers",
         "program",
         "reweights",
+        "snapshot",
         "loader",
         "summary",
         "namespace",
