@@ -347,10 +347,9 @@ def reweight_from_frame(frame: pl.DataFrame, plan: str, cache_ids: Sequence[str]
     )
     nulls = given.filter(pl.col("weight").is_null())
     if nulls.height:
-        first = nulls.row(0, named=True)
         raise WeightError(
-            f"reweight: weight None of sample_id {first['id']} of cache_id "
-            f"{first['cache_id']!r} is not allowed; weights must be finite and non-negative"
+            f"reweight: weight None of {_first(nulls)} is not allowed; weights must be "
+            "finite and non-negative"
         )
     on = ["cache", "sample_id"]
     if given.height == keys.height and given.select(on).equals(keys):
@@ -358,17 +357,14 @@ def reweight_from_frame(frame: pl.DataFrame, plan: str, cache_ids: Sequence[str]
     else:
         duplicated = given.filter(pl.struct(on).is_duplicated())
         if duplicated.height:
-            first = duplicated.row(0, named=True)
             raise MetadataError(
-                f"the re-weight frame gives sample_id {first['id']} of cache_id "
-                f"{first['cache_id']!r} more than one weight"
+                f"the re-weight frame gives {_first(duplicated)} more than one weight"
             )
         unknown = given.join(keys, on=on, how="anti")
         if unknown.height:
-            first = unknown.row(0, named=True)
             raise MetadataError(
                 f"the re-weight frame has {unknown.height} row(s) the loader does not have, "
-                f"such as sample_id {first['id']} of cache_id {first['cache_id']!r}"
+                f"such as {_first(unknown)}"
             )
         joined = (
             keys.with_row_index("row")
@@ -386,3 +382,9 @@ def reweight_from_frame(frame: pl.DataFrame, plan: str, cache_ids: Sequence[str]
             )
         weights = joined["weight"]
     return checked(weights, plan)
+
+
+def _first(rows: pl.DataFrame) -> str:
+    """The first of a re-weight frame's rows, as an error message names it."""
+    first = rows.row(0, named=True)
+    return f"sample_id {first['id']} of cache_id {first['cache_id']!r}"

@@ -65,6 +65,13 @@ pub(crate) fn write_le<T: LeBytes>(out: &mut impl Write, values: &[T], path: &Pa
     Ok(())
 }
 
+/// The little-endian u32 at index `i` of the array starting at byte `base` of `map`.
+#[inline]
+fn u32_at(map: &[u8], base: usize, i: u64) -> u32 {
+    let o = base + 4 * i as usize;
+    u32::from_le_bytes([map[o], map[o + 1], map[o + 2], map[o + 3]])
+}
+
 /// The integer types a plan holds.
 pub(crate) trait LeBytes: Copy {
     fn le_bytes(self) -> Vec<u8>;
@@ -191,13 +198,7 @@ impl Plan {
 
     #[inline]
     fn u32_at(&self, base: usize, i: u64) -> u32 {
-        let o = base + 4 * i as usize;
-        u32::from_le_bytes([
-            self.map[o],
-            self.map[o + 1],
-            self.map[o + 2],
-            self.map[o + 3],
-        ])
+        u32_at(&self.map, base, i)
     }
 
     /// The row at `position` of the epoch drawn with `random` (rows in order, wrapping, when the
@@ -288,13 +289,7 @@ impl MappedTable {
 
     #[inline]
     fn u32_at(&self, base: usize, i: u64) -> u32 {
-        let o = base + 4 * i as usize;
-        u32::from_le_bytes([
-            self.map[o],
-            self.map[o + 1],
-            self.map[o + 2],
-            self.map[o + 3],
-        ])
+        u32_at(&self.map, base, i)
     }
 
     /// The row that random bits `bits` select (as [`AliasTable::draw`] does).
