@@ -29,7 +29,6 @@ __all__ = [
     "draws_at",
     "epoch_shards",
     "file_checksum",
-    "file_digest",
     "metadata_file",
     "metadata_table_file",
     "plan_file",
@@ -77,7 +76,6 @@ def write_plan(
     path: str | PathLike[str], frame: object, num_caches: int, weighted: bool
 ) -> str: ...
 def write_table(path: str | PathLike[str], frame: object, column: str, sync: bool) -> str: ...
-def file_digest(path: str | PathLike[str]) -> str: ...
 def plan_samples(plan_path: str | PathLike[str]) -> Columns: ...
 def draws_at(
     plan_path: str | PathLike[str],

@@ -115,7 +115,7 @@ def read_history(directory: Path, head: str, base: str, rows: int) -> list[tuple
             )
         table = directory / f"weights-{entry['table']}.bin"
         try:
-            found = _native.file_digest(table)
+            _, found = _native.file_checksum(table)
         except Exception as exc:
             raise LoaderStateError(
                 f"the re-weight table {str(table)!r} is missing: {exc}"

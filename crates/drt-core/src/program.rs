@@ -23,8 +23,6 @@
 use std::io::Write;
 use std::path::Path;
 
-use memmap2::Mmap;
-
 use crate::error::{IoContext, Result};
 use crate::index::HashingWriter;
 use crate::plan::{write_le, MappedTable, Plan, TABLE_MAGIC};
@@ -56,15 +54,6 @@ pub fn write_table(path: &Path, weights: &[f64], column: &str, sync: bool) -> Re
     }
     std::fs::rename(&partial, path).at(path)?;
     Ok(digest)
-}
-
-/// The xxh3-64 of a whole file, as [`write_table`] returns it.
-pub fn file_digest(path: &Path) -> Result<u64> {
-    let file = std::fs::File::open(path).at(path)?;
-    // SAFETY: read once, front to back; a file that changes meanwhile hashes differently,
-    // which is what the caller checks for.
-    let map = unsafe { Mmap::map(&file) }.at(path)?;
-    Ok(xxhash_rust::xxh3::xxh3_64(&map))
 }
 
 /// A run of global draws, from `start` to the next segment's start, with the same weights.
@@ -339,7 +328,9 @@ mod tests {
             assert_eq!(mapped.draw(random.bits(k)), memory.draw(random.bits(k)));
         }
         assert_eq!(
-            file_digest(&dir.path().join("w")).unwrap(),
+            crate::format::file_checksum(&dir.path().join("w"))
+                .unwrap()
+                .1,
             write_table(&dir.path().join("w2"), &weights, "w", false).unwrap()
         );
     }

@@ -47,7 +47,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<program::PyProgram>()?;
     m.add_class::<program::PyColumns>()?;
     m.add_function(wrap_pyfunction!(program::write_table, m)?)?;
-    m.add_function(wrap_pyfunction!(program::file_digest, m)?)?;
     m.add_function(wrap_pyfunction!(program::draws_at, m)?)?;
     m.add_function(wrap_pyfunction!(program::plan_samples, m)?)?;
     m.add_function(wrap_pyfunction!(store::validate_name, m)?)?;

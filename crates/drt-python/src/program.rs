@@ -79,14 +79,7 @@ pub fn write_table(
     let digest = run(py, || {
         drt_core::program::write_table(&path, &weights, column, sync)
     })?;
-    Ok(format!("{digest:016x}"))
-}
-
-/// The xxh3-64 of the file at `path` in hex, as `write_table` returns it.
-#[pyfunction]
-pub fn file_digest(py: Python<'_>, path: PathBuf) -> PyResult<String> {
-    let digest = run(py, || drt_core::program::file_digest(&path))?;
-    Ok(format!("{digest:016x}"))
+    Ok(drt_core::format::checksum_hex(digest))
 }
 
 /// Columns made in native code, handed to Polars (or any Arrow consumer) through the
