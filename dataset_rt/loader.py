@@ -215,7 +215,7 @@ class Loader:
             verify=bool(verify),
             views=views,
             remotes=tuple(remote_of(c) for c in caches),
-            program=None if program is None else program.native,
+            program=self._weights.native,
         )
         self._packed = b""
         self._pack()
@@ -372,9 +372,7 @@ class Loader:
 
     # -- the weights over the run ---------------------------------------------------------------
     def _weights_changed(self) -> None:
-        program = self._weights.program
-        native = None if program is None else program.native
-        self._spec = dataclasses.replace(self._spec, program=native)
+        self._spec = dataclasses.replace(self._spec, program=self._weights.native)
         self._pack()
 
     def reweight(

@@ -290,7 +290,7 @@ def preview(
     ids = pl.Series("sample_id", range(data.height), dtype=pl.Int64)
     first, *more = schedule_weights(data, ids, phases)
     total = data.height if total is None else total
-    directory = tempfile.mkdtemp(prefix="dataset_rt-preview-")
+    directory = scratch_dir("dataset_rt-preview-")
     try:
         plan = os.path.join(directory, "plan.bin")
         plan_frame = pl.DataFrame({"sample_id": ids, "weight": first})

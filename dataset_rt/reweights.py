@@ -155,6 +155,11 @@ class Weights:
             weakref.finalize(self, _remove_scratch, self._directory, self._pending)
         return self._directory
 
+    @property
+    def native(self) -> _native.Program | None:
+        """The program in force as the native reader takes it; None: the plan's own table."""
+        return None if self.program is None else self.program.native
+
     def _start(self) -> Program:
         return self.base or single_program(self.plan, self.plan_digest)
 

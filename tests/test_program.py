@@ -327,7 +327,9 @@ frame = frame.with_columns(
     [pl.col("source").drt.mix(s, weight="quality").alias(f"w{i}") for i, s in enumerate(shares)]
 )
 schedule = [Phase("w0", until=3_000), Phase("w1", until=6_000), Phase("w2")]
-loader = frame.drt.loader(batch_size=50, seed=3, num_samples=3_000, schedule=schedule, collate=list)
+loader = frame.drt.loader(
+    batch_size=50, seed=3, num_samples=3_000, schedule=schedule, collate=list, num_workers=2
+)
 records = []
 for epoch in range(3):
     records += [list(r) for batch in loader for r in batch]
