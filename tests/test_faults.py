@@ -170,7 +170,20 @@ next(batches)
 workers = multiprocessing.active_children()
 assert workers, "no worker processes found"
 print(json.dumps({"workers": [w.pid for w in workers]}), flush=True)
-import time; time.sleep(PAUSE)  # with a pause, the worker has queued its next batch
+import gc, multiprocessing.synchronize, time
+time.sleep(PAUSE)  # with a pause, the worker has queued its next batch
+# PyTorch's workers take the loader's shared "done" event lock for every index they get; a
+# worker killed inside that moment takes the lock with it and hangs every DataLoader on
+# the event (a PyTorch hazard, not the one tested here). So the worker is stopped first
+# and killed only at a moment it does not hold that lock.
+(done,) = [o for o in gc.get_objects() if isinstance(o, multiprocessing.synchronize.Event)]
+while True:
+    os.kill(workers[0].pid, signal.SIGSTOP)
+    if done._cond._lock.acquire(False):
+        done._cond._lock.release()
+        break
+    os.kill(workers[0].pid, signal.SIGCONT)
+    time.sleep(0.001)
 os.kill(workers[0].pid, signal.SIGKILL)
 try:
     for _ in batches:
@@ -180,7 +193,7 @@ except RuntimeError as exc:
 else:
     raise SystemExit("the loader finished although a worker was killed")
 del batches
-import gc, time; gc.collect()
+gc.collect()
 # The other worker is told to stop and multiprocessing's queue feeder threads end on their
 # own once the queues close; on a loaded machine that takes a moment: wait up to 10 s, then
 # count what is left.
