@@ -25,6 +25,7 @@ from dataset_rt.caches import Cache, list_caches, open  # noqa: E402
 from dataset_rt.loader import Loader  # noqa: E402
 from dataset_rt.program import Phase  # noqa: E402
 from dataset_rt.roots import default_root  # noqa: E402
+from dataset_rt.streams import TokenLoader  # noqa: E402
 from dataset_rt.verify import Problem, VerifyReport, verify  # noqa: E402
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Loader",
     "Phase",
     "Problem",
+    "TokenLoader",
     "VerifyReport",
     "__version__",
     "append",

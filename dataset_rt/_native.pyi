@@ -10,6 +10,7 @@ __all__ = [
     "MIN_OUT_OF_BAND",
     "OOB_MAGIC",
     "RECORD_ALIGN",
+    "TOKEN_MAGIC",
     "AppendSession",
     "Batch",
     "BuildLock",
@@ -24,6 +25,7 @@ __all__ = [
     "Program",
     "Schedule",
     "Store",
+    "TokenStream",
     "__version__",
     "checked_metadata_table",
     "draws_at",
@@ -48,6 +50,7 @@ FORMAT_VERSION: int
 OOB_MAGIC: bytes
 RECORD_ALIGN: int
 MIN_OUT_OF_BAND: int
+TOKEN_MAGIC: bytes
 
 def validate_name(name: str) -> None: ...
 def file_checksum(path: str | PathLike[str]) -> tuple[int, str]: ...
@@ -101,6 +104,35 @@ class Program:
     ) -> tuple[list[Path], list[tuple[int, int, tuple[int, int] | None]]]: ...
     @property
     def rows(self) -> int: ...
+
+@final
+class TokenStream:
+    def __new__(
+        cls,
+        plan_path: str | PathLike[str],
+        cache_dirs: list[str],
+        cache_ids: list[str],
+        lengths: bytes,
+        *,
+        seed: int,
+        epoch: int,
+        total: int,
+        separator: int | None,
+        verify: bool,
+        program: Program | None = None,
+    ) -> TokenStream: ...
+    def advance(self, at: tuple[int, int, int], n: int) -> tuple[int, int, int]: ...
+    def pieces(
+        self, start: tuple[int, int, int], rows: int, stride: int, width: int
+    ) -> list[tuple[int, int, int, int, int, int]]: ...
+    def fill(
+        self,
+        start: tuple[int, int, int],
+        rows: int,
+        stride: int,
+        ids: Any,
+        docs: Any | None = None,
+    ) -> None: ...
 
 @final
 class Columns:

@@ -26,7 +26,13 @@ from dataset_rt.errors import (
 from dataset_rt.metadata import MetadataCollector
 from dataset_rt.progress import BuildProgress
 from dataset_rt.roots import PathLike, resolve_root, root_url
-from dataset_rt.serialize import Decoder, SerializerSpec, as_bytes, resolve_serializer
+from dataset_rt.serialize import (
+    Decoder,
+    SerializerSpec,
+    as_bytes,
+    resolve_serializer,
+    token_count,
+)
 
 if TYPE_CHECKING:  # parallel builds only: imported when one starts, not with the package
     import multiprocessing.process
@@ -377,13 +383,13 @@ def append(
             raise ArgumentError(
                 f"cache {name!r} was written with a custom serializer "
                 f"({cache.serializer.removeprefix('custom:')}); append supports the named "
-                "serializers (pickle, pickle-inband, dill) only: rebuild it with drt.cache"
+                "serializers (pickle, pickle-inband, dill, tokens) only: rebuild it with drt.cache"
             )
         manifest = store.manifest(name)
         options = _Options(
             name,
             metadata,
-            cache.serializer,  # type: ignore[arg-type]
+            cache.serializer,
             progress,
             DEFAULT_SHARD_SIZE,
             manifest.alignment,
@@ -579,6 +585,7 @@ def _write_records(
     source, ``records`` being its part from index ``first`` on.
     """
     add_metadata = collector.add
+    tokens = ser_name == "tokens" or ser_name.startswith("tokens:")
     count = 0
     for count, record in enumerate(records, 1):
         index = first + count - 1
@@ -596,9 +603,23 @@ def _write_records(
                 values = metadata(record)
             except Exception as exc:
                 raise MetadataError(f"metadata() raised on record {index}: {exc!r}") from exc
+            if tokens:
+                values = _with_length(values, token_count(data), index)
             add_metadata(index, values)
+        elif tokens:
+            add_metadata(index, {"length": token_count(data)})
         bar.update(count)
     return count
+
+
+def _with_length(values: Any, length: int, index: int) -> Any:
+    """A token document's metadata: the user's, and its ``length`` in tokens."""
+    if not isinstance(values, Mapping) or values.get("length", length) == length:
+        return {**values, "length": length} if isinstance(values, Mapping) else values
+    raise MetadataError(
+        f"metadata() returned length {values['length']!r} for record {index}, which holds "
+        f"{length} tokens: a token cache fills in each document's length itself"
+    )
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Type checkers do not see namespaces registered at runtime; the functions in
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import polars as pl
 
@@ -15,6 +15,7 @@ from dataset_rt import plugins, summary
 from dataset_rt.loader import Loader, loader_signature
 from dataset_rt.program import Phase, epoch_frame
 from dataset_rt.roots import PathLike
+from dataset_rt.streams import TokenLoader
 
 __all__ = ["DrtExprNamespace", "DrtFrameNamespace", "DrtLazyFrameNamespace"]
 
@@ -130,14 +131,23 @@ class _FrameMethods:
     _lazy: pl.LazyFrame
     _frame: pl.DataFrame | pl.LazyFrame
 
-    def loader(self, batch_size: int, **options: Any) -> Loader:
+    @overload
+    def loader(self, batch_size: int, *, seq_len: int, **options: Any) -> TokenLoader: ...
+    @overload
+    def loader(self, batch_size: int, **options: Any) -> Loader: ...
+    def loader(self, batch_size: int, **options: Any) -> Loader | TokenLoader:
         """A training loader over this frame's rows: ``Loader(frame, batch_size, **options)``.
 
         The options (``shuffle``, ``seed``, ``num_samples``, ``decode``, ``transform``,
         ``collate``, ``num_workers``, ``prefetch``, ``drop_last``, ``rank``, ``world_size``,
         ``root``, ``verify``, ``copy``, ``schedule``, ``history``) and their defaults are those of
-        :class:`dataset_rt.Loader`, where each is described.
+        :class:`dataset_rt.Loader`, where each is described. With ``seq_len``, over rows of
+        token caches, it is a :class:`dataset_rt.TokenLoader` of packed token sequences
+        instead (options ``shuffle``, ``seed``, ``num_samples``, ``separator``, ``targets``,
+        ``documents``, ``rank``, ``world_size``, ``root``, ``verify``, ``schedule``).
         """
+        if "seq_len" in options:
+            return TokenLoader(self._frame, batch_size, **options)
         return Loader(self._frame, batch_size, **options)
 
     def epoch(

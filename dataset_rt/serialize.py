@@ -24,10 +24,13 @@ import io
 import pickle
 import struct
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, SerializationError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "Decoder",
@@ -38,6 +41,7 @@ __all__ = [
     "dumps",
     "loads",
     "resolve_serializer",
+    "token_count",
 ]
 
 Serializer = Callable[[Any], bytes | bytearray | memoryview]
@@ -46,8 +50,9 @@ Serializer = Callable[[Any], bytes | bytearray | memoryview]
 Decoder = Callable[[bytes], Any]
 """A function turning a record's bytes (a ``bytes`` object) back into the record."""
 
-SerializerSpec = Literal["pickle", "pickle-inband", "dill"] | Serializer
-"""``"pickle"`` (out-of-band buffers), ``"pickle-inband"``, ``"dill"``, or a function."""
+SerializerSpec = Literal["pickle", "pickle-inband", "dill", "tokens"] | str | Serializer
+"""``"pickle"`` (out-of-band buffers), ``"pickle-inband"``, ``"dill"``, ``"tokens"`` (or
+``"tokens:<dtype>"``, one-dimensional arrays of token ids), or a function."""
 
 PICKLE_PROTOCOL = 5
 
@@ -230,12 +235,15 @@ def resolve_serializer(spec: SerializerSpec) -> tuple[str, Serializer]:
             return dill.dumps(record, protocol=PICKLE_PROTOCOL, recurse=True)  # type: ignore[no-any-return]
 
         return "dill", dill_dumps
+    if isinstance(spec, str) and (spec == "tokens" or spec.startswith("tokens:")):
+        return spec, token_serializer(spec)
     if callable(spec):
         module = getattr(spec, "__module__", None) or "?"
         qualname = getattr(spec, "__qualname__", None) or type(spec).__name__
         return f"custom:{module}.{qualname}", spec
     raise ArgumentError(
-        "serializer must be 'pickle', 'pickle-inband', 'dill' or a callable returning bytes, "
+        "serializer must be 'pickle', 'pickle-inband', 'dill', 'tokens', 'tokens:<dtype>' or "
+        "a callable returning bytes, "
         f"got {spec!r}"
     )
 
@@ -244,6 +252,7 @@ _DESCRIPTIONS = {
     "pickle": "pickle protocol 5; arrays of 64 KiB or more stored apart, read back as views",
     "pickle-inband": "plain pickle protocol 5; arrays read back as copies",
     "dill": "dill, which also pickles lambdas and classes defined in __main__",
+    "tokens": "token ids, each document in the narrowest of uint16, uint32, int32, int64",
 }
 
 
@@ -251,6 +260,8 @@ def describe_serializer(name: str) -> str:
     """One line saying what a serializer (by the name users pass) writes."""
     if name.startswith("custom:"):
         return f"{name[len('custom:') :]}, a custom function; pass decode= to read records"
+    if name.startswith("tokens:"):
+        return f"token ids stored as {name[len('tokens:') :]}"
     return _DESCRIPTIONS.get(name, name)
 
 
@@ -267,6 +278,8 @@ def decoder_for(serializer: str, *, copy: bool = False) -> Decoder | None:
         return pickle.loads
     if serializer == "dill":
         return _import_dill().loads  # type: ignore[no-any-return]
+    if serializer == "tokens" or serializer.startswith("tokens:"):
+        return decode_tokens
     return None
 
 
@@ -280,3 +293,111 @@ def as_bytes(data: object, index: int, serializer: str) -> bytes:
         f"serializer {serializer} returned {type(data).__name__} for record {index}; "
         "it must return bytes, bytearray or memoryview"
     )
+
+
+# -- token documents --------------------------------------------------------------------------
+# A token record is an 8-byte header, b"DRTTOK", the struct code of its ids' type and a zero
+# byte, then the ids, little-endian. The native token packer reads the same layout.
+TOKEN_MAGIC = _native.TOKEN_MAGIC
+TOKEN_DTYPES = {"uint16": "H", "uint32": "I", "int32": "i", "int64": "q"}
+"""The token types a token record holds, by NumPy name, with their struct codes."""
+_TOKEN_CODES = {code: name for name, code in TOKEN_DTYPES.items()}
+_TOKEN_HEADERS = {name: TOKEN_MAGIC + code.encode() + b"\0" for name, code in TOKEN_DTYPES.items()}
+TOKEN_RANGES = {
+    "uint16": (0, 2**16 - 1),
+    "uint32": (0, 2**32 - 1),
+    "int32": (-(2**31), 2**31 - 1),
+    "int64": (-(2**63), 2**63 - 1),
+}
+"""The ids each token type holds: ``(lowest, highest)``."""
+
+
+def _narrowest(low: int, high: int) -> str:
+    if low >= 0:
+        return "uint16" if high <= 0xFFFF else "uint32" if high <= 0xFFFF_FFFF else "int64"
+    return "int32" if low >= -(2**31) and high < 2**31 else "int64"
+
+
+def _token_array(document: Any) -> np.ndarray:
+    """A document's ids as a one-dimensional integer array; refuses anything else."""
+    import numpy as np
+
+    if isinstance(document, np.ndarray):
+        array = document
+    elif isinstance(document, (list, tuple, range)):
+        try:
+            array = np.asarray(document, dtype=np.int64)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise SerializationError(f"a token document must be integer ids: {exc}") from exc
+    else:
+        raise SerializationError(
+            "a token document must be a one-dimensional NumPy array or a list of int ids, "
+            f"not {type(document).__name__}"
+        )
+    if array.ndim != 1:
+        raise SerializationError(
+            f"a token document must be one-dimensional, got an array of shape {array.shape}"
+        )
+    if array.dtype.kind not in "iu":
+        raise SerializationError(
+            f"token ids must be integers, got an array of {array.dtype} (tokenize first, "
+            "or cast ids that are whole numbers with .astype)"
+        )
+    if array.size == 0:
+        raise SerializationError("a token document is empty: a document needs one token")
+    return array
+
+
+def token_serializer(spec: str) -> Serializer:
+    """The function writing token records for ``serializer=spec`` (``tokens[:<dtype>]``).
+
+    ``"tokens"`` stores each document in the narrowest type that holds its ids; a named
+    type stores every document in it and refuses ids it cannot hold.
+    """
+    fixed = spec.partition(":")[2] or None
+    if fixed is not None and fixed not in TOKEN_DTYPES:
+        raise ArgumentError(
+            f"serializer {spec!r}: the token type must be one of {sorted(TOKEN_DTYPES)}"
+        )
+
+    import numpy
+
+    def dump_tokens(document: Any) -> bytes:
+        array = _token_array(document)
+        low, high = int(array.min()), int(array.max())
+        dtype = fixed or _narrowest(low, high)
+        floor, ceiling = TOKEN_RANGES[dtype]
+        if low < floor or high > ceiling:
+            bad = low if low < floor else high
+            raise SerializationError(
+                f"token id {bad} does not fit the cache's token type {dtype} "
+                f"(ids from {floor} to {ceiling}); pass serializer='tokens' to choose per "
+                "document, or a wider type"
+            )
+        ids = array.astype(numpy.dtype(dtype).newbyteorder("<"), copy=False)
+        return _TOKEN_HEADERS[dtype] + ids.tobytes()
+
+    return dump_tokens
+
+
+def token_count(data: bytes | memoryview) -> int:
+    """The number of ids in a token record."""
+    return (len(data) - len(TOKEN_MAGIC) - 2) // struct.calcsize(_token_code(data))
+
+
+def _token_code(data: bytes | memoryview) -> str:
+    view = memoryview(data)
+    if len(view) < 8 or view[:6] != TOKEN_MAGIC or view[7] != 0:
+        raise SerializationError("a token record must start with its 8-byte DRTTOK header")
+    code = chr(view[6])
+    if code not in _TOKEN_CODES:
+        raise SerializationError(f"a token record holds ids of an unknown type {code!r}")
+    return code
+
+
+def decode_tokens(data: bytes | memoryview) -> np.ndarray:
+    """A token record's ids: a read-only NumPy view of the record's bytes, in its type."""
+    import numpy
+
+    code = _token_code(data)
+    return numpy.frombuffer(data, dtype=numpy.dtype(_TOKEN_CODES[code]).newbyteorder("<"), offset=8)

@@ -95,6 +95,7 @@ PYTHON_LAYERS = [
         "reweights",
         "snapshot",
         "loader",
+        "streams",
         "summary",
         "namespace",
         "ray",

@@ -48,6 +48,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
             ["program.py", "--smoke"],
             ["phase 2:", "3-phase schedule", "per-sample losses", "seen(all_ranks=True)"],
         ),
+        (
+            ["tokens.py", "--smoke"],
+            ["memmap windows (baseline)", "packed loader", "Python packing"],
+        ),
     ],
     ids=[
         "build",
@@ -60,6 +64,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "remote",
         "fuzz",
         "program",
+        "tokens",
     ],
 )
 def test_benchmark_runs_and_prints_its_table(args: list[str], expected: list[str]) -> None:

@@ -220,3 +220,88 @@ def test_reweighting_by_loss_each_epoch_resumes_exactly_from_a_mid_epoch_checkpo
     fit(resumed, tmp_path / "resumed", ckpt_path=checkpoint)
     assert resumed.seen == full.seen[every:], "the resumed run sees exactly the same batches"
     assert resumed.loader.state_dict() == state
+
+
+def _stdlib_corpus() -> tuple[drt.Cache, int]:
+    """A token cache of Python standard-library modules, tokenized by a BPE trained on them."""
+    import sysconfig
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:80]
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<eos>"])
+    tokenizer.train_from_iterator(texts, trainer)
+    cache = drt.cache(
+        (np.array(tokenizer.encode(t).ids, dtype=np.uint16) for t in texts),
+        "lightning-stdlib-bpe",
+        serializer="tokens",
+        progress=False,
+    )
+    return cache, tokenizer.token_to_id("<eos>")
+
+
+class TinyGPT(L.LightningModule):  # type: ignore[misc]
+    """One causal self-attention block over a 512-token vocabulary; records every batch."""
+
+    def __init__(self, frame: pl.DataFrame, eos: int) -> None:
+        super().__init__()
+        self.frame, self.eos = frame, eos
+        self.embed = torch.nn.Embedding(512, 32)
+        self.position = torch.nn.Embedding(32, 32)
+        self.block = torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(32, 512)
+        self.seen: list[list[int]] = []
+        self.losses: list[float] = []
+
+    def train_dataloader(self) -> Any:
+        return self.frame.drt.loader(
+            batch_size=8, seq_len=32, separator=self.eos, num_samples=3, seed=9
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        self.seen.append(ids.reshape(-1).tolist())
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        hidden = self.embed(ids) + self.position(torch.arange(ids.shape[1]))
+        logits = self.head(self.block(hidden, src_mask=mask, is_causal=True))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def test_a_tiny_gpt_learns_from_packed_tokens_and_resumes_the_exact_tokens(
+    tmp_path: Path,
+) -> None:
+    cache, eos = _stdlib_corpus()
+    torch.manual_seed(0)
+    uninterrupted = TinyGPT(cache.metadata, eos)
+    steps = len(uninterrupted.train_dataloader())
+    assert steps > 30
+    every = steps + steps // 2  # mid-epoch 2
+    checkpoints = tmp_path / "checkpoints"
+
+    def saving() -> Any:
+        return L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=checkpoints, every_n_train_steps=every, save_top_k=-1
+        )
+
+    _trainer(tmp_path / "full", max_epochs=3, callbacks=[saving()]).fit(uninterrupted)
+    seen = uninterrupted.seen
+    assert len(seen) == 3 * steps
+    losses = uninterrupted.losses
+    assert np.mean(losses[-20:]) < np.mean(losses[:20]) - 1.0, "the loss falls"
+
+    (saved,) = (p for p in checkpoints.iterdir() if f"step={every}." in p.name)
+    checkpoint = saved.rename(tmp_path / "mid-epoch.ckpt")
+    shutil.rmtree(checkpoints)
+    resumed = TinyGPT(cache.metadata, eos)
+    _trainer(tmp_path / "resumed", max_epochs=3, callbacks=[saving()]).fit(
+        resumed, ckpt_path=checkpoint
+    )
+    assert resumed.seen == seen[every:], "the resumed run sees exactly the same tokens"

@@ -28,6 +28,7 @@ pub mod schedule;
 pub mod sigbus;
 pub mod split;
 pub mod store;
+pub mod tokens;
 pub mod verify;
 pub mod weights;
 pub mod write_behind;

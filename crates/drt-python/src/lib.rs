@@ -16,6 +16,7 @@ mod metadata;
 mod program;
 mod reader;
 mod store;
+mod tokens;
 
 use pyo3::prelude::*;
 
@@ -33,6 +34,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("RECORD_ALIGN", drt_core::format::RECORD_ALIGN)?;
     m.add("MIN_OUT_OF_BAND", drt_core::format::MIN_OUT_OF_BAND)?;
+    m.add(
+        "TOKEN_MAGIC",
+        pyo3::types::PyBytes::new(m.py(), drt_core::tokens::TOKEN_MAGIC),
+    )?;
+    m.add_class::<tokens::PyTokenStream>()?;
     m.add_class::<store::PyStore>()?;
     m.add_class::<lock::PyBuildLock>()?;
     m.add_class::<builder::PyCacheBuilder>()?;

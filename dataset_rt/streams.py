@@ -1,0 +1,426 @@
+"""Packed token streams for language models: ``df.drt.loader(batch_size, seq_len=...)``."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import polars as pl
+
+from dataset_rt import _native
+from dataset_rt.errors import ArgumentError, LoaderStateError, MetadataError
+from dataset_rt.program import Phase, check_phases
+from dataset_rt.roots import PathLike
+from dataset_rt.serialize import TOKEN_RANGES
+from dataset_rt.snapshot import snapshot
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["TokenLoader"]
+
+STATE_KIND = "tokens"
+STATE_FORMAT = 1
+_U32_MAX = 2**32 - 1
+
+Cursor = tuple[int, int, int]
+"""A token of an epoch's stream: ``(draw, offset in its document, token number)``."""
+
+_START: Cursor = (0, 0, 0)
+
+
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"at least {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ArgumentError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def _token_type(serializer: str) -> str:
+    """The token type a cache written with ``serializer`` promises (``int64``: per document)."""
+    return serializer.partition(":")[2] or "int64"
+
+
+class TokenLoader:
+    """Fixed-shape batches of token ids packed from the documents a frame draws.
+
+    Made by ``df.drt.loader(batch_size, seq_len=...)`` over rows of token caches (written
+    with ``serializer="tokens"``). Each epoch draws documents as a shuffled
+    :class:`~dataset_rt.Loader` would (by ``weight``, or by a ``schedule``), joins them
+    into one stream (each followed by ``separator``, if given) and cuts it into rows of
+    ``seq_len`` tokens: row ``j`` of the epoch starts at token ``j * seq_len``, and
+    documents run across row boundaries. An epoch takes as many tokens as ``num_samples``
+    documents of the frame hold on average (its ``length`` column's sum, scaled), so every
+    epoch has the same number of steps. Step ``t`` gives rank ``r`` of ``w`` rows
+    ``(t * w + r) * batch_size`` and the ``batch_size - 1`` after it.
+
+    A batch is a dict of tensors (NumPy arrays without PyTorch): ``input_ids``
+    (``[batch_size, seq_len]``, int64), ``labels`` (the same rows shifted by one token:
+    the next token of each position; with ``targets=True``) and ``document_ids`` (int32,
+    each token's document numbered from 0 within its row; with ``documents=True``). The
+    native reader writes every row straight into one ``[batch_size, seq_len + 1]`` block,
+    of which ``input_ids`` and ``labels`` are views: no Python object per document.
+
+    Parameters
+    ----------
+    frame
+        A metadata frame of token-cache rows with ``cache_id``, ``sample_id``, ``length``
+        (each document's token count, as the cache wrote it) and, to shuffle, ``weight``.
+    batch_size
+        Rows per batch on each rank.
+    seq_len
+        Tokens per row.
+    shuffle
+        ``True``: documents are weighted draws with replacement. ``False``: every
+        document once, in frame order.
+    seed
+        With the epoch, fixes the draws.
+    num_samples
+        Documents per epoch (sets the epoch's tokens, and where a schedule's phases fall);
+        default the number of rows.
+    separator
+        A token id written after every document (an end-of-text id), or None.
+    targets
+        Add ``labels``, the next token of every position.
+    documents
+        Add ``document_ids``, to mask attention within documents.
+    rank, world_size
+        This process's share; default from ``torch.distributed`` when initialised.
+    root
+        Where to look for caches this process has not opened yet.
+    verify
+        Check every document against its stored checksum.
+    schedule
+        Weights that change over the run, as for :class:`~dataset_rt.Loader`.
+    """
+
+    def __init__(
+        self,
+        frame: pl.DataFrame | pl.LazyFrame,
+        batch_size: int,
+        *,
+        seq_len: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_samples: int | None = None,
+        separator: int | None = None,
+        targets: bool = True,
+        documents: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        root: PathLike | None = None,
+        verify: bool = False,
+        schedule: Sequence[Phase] | None = None,
+    ) -> None:
+        from dataset_rt.loader import Loader
+
+        self._batch_size = _check_int("batch_size", batch_size, 1)
+        self._seq_len = _check_int("seq_len", seq_len, 1)
+        self._seed = _check_int("seed", seed, 0, 2**64 - 1)
+        self._shuffle = bool(shuffle)
+        self._targets = bool(targets)
+        self._documents = bool(documents)
+        if num_samples is not None:
+            if not self._shuffle:
+                raise ArgumentError(
+                    "num_samples applies to shuffled loaders; shuffle=False reads every row once"
+                )
+            num_samples = _check_int("num_samples", num_samples, 1)
+        self._rank, self._world_size = Loader._resolve_ranks(rank, world_size)
+        phases = None if schedule is None else check_phases(schedule)
+        if phases is not None and not self._shuffle:
+            raise ArgumentError("schedule= sets the weights of draws; it needs shuffle=True")
+        data = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
+        if not isinstance(data, pl.DataFrame):
+            raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
+        taken = snapshot(self, data, root, self._shuffle, phases)
+        for cache in taken.caches:
+            if not cache.serializer.startswith("tokens"):
+                raise ArgumentError(
+                    f"cache {cache.name!r} was written with serializer {cache.serializer!r}; a "
+                    "packed loader (seq_len=) reads token caches: "
+                    "drt.cache(documents, name, serializer='tokens')"
+                )
+        lengths = _lengths(data)
+        if separator is not None:
+            separator = _check_int("separator", separator, -(2**63), 2**63 - 1)
+            for cache in taken.caches:
+                kind = _token_type(cache.serializer)
+                low, high = TOKEN_RANGES[kind]
+                if not low <= separator <= high:
+                    raise ArgumentError(
+                        f"separator {separator} is outside the token type {kind} of cache "
+                        f"{cache.name!r} (ids from {low} to {high})"
+                    )
+        self._separator = separator
+        self._caches = taken.caches  # held for the loader's life, with their mappings
+        self._plan = taken.plan
+        self._program = None if taken.program is None else taken.program.native
+        self._lengths = lengths
+        self._rows = taken.rows
+        self._total = num_samples if num_samples is not None else taken.rows
+        # An epoch takes as many tokens as its draws hold on average: the frame's tokens
+        # (with a separator per document), scaled to num_samples documents.
+        tokens = int(data["length"].sum()) + taken.rows * (separator is not None)
+        self._epoch_tokens = tokens * self._total // taken.rows
+        ids_digest = hashlib.sha256("\n".join(c.cache_id for c in taken.caches).encode())
+        fingerprint = f"{taken.digest}-{ids_digest.hexdigest()[:16]}-sep{separator}"
+        if taken.program is not None:
+            fingerprint += f"-{taken.program.fingerprint[:16]}"
+        self._fingerprint = fingerprint
+        self._verify = bool(verify)
+        self._epoch = 0
+        self._head: Cursor = _START  # the first token of the epoch no rank has consumed
+        self._ended = False
+        self._origin = 0  # where step 0 of the current epoch starts, in tokens
+        self._plan_samples: pl.DataFrame | None = None
+
+    # -- the stream -----------------------------------------------------------------------------
+    def _stream(self, epoch: int) -> _native.TokenStream:
+        return _native.TokenStream(
+            self._plan,
+            [str(c.path) for c in self._caches],
+            [c.cache_id for c in self._caches],
+            self._lengths,
+            seed=self._seed,
+            epoch=epoch,
+            total=self._total,
+            separator=self._separator,
+            verify=self._verify,
+            program=self._program,
+        )
+
+    @property
+    def _extra(self) -> int:
+        """Tokens a row reads past its ``seq_len``: one, for the last position's target."""
+        return int(self._targets)
+
+    @property
+    def _step_tokens(self) -> int:
+        return self._world_size * self._batch_size * self._seq_len
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch the next iteration reads; the current one keeps its position."""
+        epoch = _check_int("epoch", epoch, 0, 2**63 - 1)
+        if epoch != self._epoch or self._ended:
+            self._epoch, self._head, self._ended, self._origin = epoch, _START, False, 0
+
+    def __len__(self) -> int:
+        """Steps in a whole epoch: the same on every rank, and in every epoch."""
+        return max(0, self._epoch_tokens - self._extra) // self._step_tokens
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._ended:
+            # A finished epoch moves on to the next one, as the record loader does.
+            self._epoch, self._head, self._ended = self._epoch + 1, _START, False
+            self._origin = 0
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[dict[str, Any]]:
+        import numpy as np
+
+        stream = self._stream(self._epoch)
+        rows, width = self._batch_size, self._seq_len + self._extra
+        mine, step = self._rank * rows * self._seq_len, self._step_tokens
+        last = self._epoch_tokens - self._extra  # a row and its target lie within the epoch
+        while self._head[2] + step <= last:
+            ids = np.empty((rows, width), dtype=np.int64)
+            docs = np.empty((rows, width), dtype=np.int32) if self._documents else None
+            stream.fill(stream.advance(self._head, mine), rows, self._seq_len, ids, docs)
+            self._head = stream.advance(self._head, step)
+            # Known at the last step, not one call later: a loop that stops after len()
+            # steps (Lightning) then starts the next epoch with its next iter().
+            self._ended = self._head[2] + step > last
+            yield self._batch(ids, docs)
+        self._ended = True
+
+    def _batch(self, ids: np.ndarray, docs: np.ndarray | None) -> dict[str, Any]:
+        try:
+            import torch
+        except ImportError:
+            convert: Any = lambda a: a  # noqa: E731
+        else:
+            convert = torch.from_numpy
+        length = self._seq_len
+        batch = {"input_ids": convert(ids[:, :length])}
+        if self._targets:
+            batch["labels"] = convert(ids[:, 1:])
+        if docs is not None:
+            batch["document_ids"] = convert(docs[:, :length])
+        return batch
+
+    # -- what the model saw ---------------------------------------------------------------------
+    def seen(
+        self,
+        steps: int | range | None = None,
+        *,
+        epoch: int | None = None,
+        all_ranks: bool = False,
+    ) -> pl.DataFrame:
+        """The documents behind the rows of ``steps``, from the draws alone (no record is read).
+
+        One row per document per batch row: ``epoch``, ``step``, ``rank``, ``row`` (in the
+        batch), ``column`` (where in the row the document's tokens start), ``draw``,
+        ``cache_id``, ``sample_id``, ``offset`` (the first of its ids in the row) and
+        ``tokens`` (how many positions of the row it fills, its separator included).
+
+        Parameters
+        ----------
+        steps
+            A step or a ``range`` of steps of the epoch (default all of it), counted as
+            this loader counts them: from the epoch's start, or from where a loaded state
+            put it.
+        epoch
+            Default the current epoch.
+        all_ranks
+            Every rank's rows, not only this one's.
+        """
+        epoch = self._epoch if epoch is None else _check_int("epoch", epoch, 0, 2**63 - 1)
+        if steps is None:
+            steps = range(len(self))
+        elif not isinstance(steps, range):
+            steps = range(_check_int("steps", steps, 0), steps + 1)
+        if steps.step != 1 or steps.start < 0:
+            raise ArgumentError(f"steps must be a step or a range of steps, got {steps!r}")
+        stream = self._stream(epoch)
+        rows, length, step = self._batch_size, self._seq_len, self._step_tokens
+        origin = self._origin if epoch == self._epoch else 0
+        ranks = range(self._world_size) if all_ranks else range(self._rank, self._rank + 1)
+        found: list[tuple[int, ...]] = []
+        cursor = stream.advance(_START, origin + steps.start * step)
+        for number in steps:
+            for rank in ranks:
+                first = stream.advance(cursor, rank * rows * length)
+                pieces = stream.pieces(first, rows, length, length)
+                found.extend((number, rank, *piece) for piece in pieces)
+            cursor = stream.advance(cursor, step)
+        names = ["step", "rank", "row", "column", "draw", "plan_row", "offset", "tokens"]
+        frame = pl.DataFrame(found, schema=names, orient="row").with_columns(
+            pl.col("step", "rank", "row", "column", "draw", "offset", "tokens").cast(pl.Int64)
+        )
+        keys = (
+            self._samples()
+            .with_row_index("plan_row")
+            .with_columns(pl.col("plan_row").cast(pl.Int64))
+        )
+        codes = pl.Series([c.cache_id for c in self._caches])
+        return (
+            frame.with_columns(pl.col("plan_row").cast(pl.Int64))
+            .join(keys, on="plan_row", how="left", maintain_order="left")
+            .select(
+                pl.lit(epoch, pl.Int64).alias("epoch"),
+                "step",
+                "rank",
+                "row",
+                "column",
+                "draw",
+                pl.col("cache").replace_strict(range(len(codes)), codes).alias("cache_id"),
+                pl.col("sample_id").cast(pl.Int64),
+                "offset",
+                "tokens",
+            )
+        )
+
+    def _samples(self) -> pl.DataFrame:
+        """The plan's rows: cache code and sample id (read once, on first use)."""
+        if self._plan_samples is None:
+            self._plan_samples = pl.DataFrame(_native.plan_samples(self._plan))
+        return self._plan_samples
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position: the first token of the epoch's stream no rank has consumed.
+
+        It names that token by its document draw and offset, so resuming costs no walk;
+        a loader with another ``seq_len``, ``batch_size`` or world size continues the same
+        stream from that token.
+        """
+        draw, offset, token = self._head
+        return {
+            "format": STATE_FORMAT,
+            "kind": STATE_KIND,
+            "epoch": self._epoch,
+            "draw": draw,
+            "offset": offset,
+            "token": token,
+            "ended": self._ended,
+            "seed": self._seed,
+            "total": self._total,
+            "shuffle": self._shuffle,
+            "plan": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues from a position saved by :meth:`state_dict`, in O(1).
+
+        Raises
+        ------
+        LoaderStateError
+            The state does not come from a packed loader over the same rows, weights,
+            separator, seed and epoch length. The loader is left as it was.
+        """
+        if (
+            not isinstance(state, Mapping)
+            or state.get("format") != STATE_FORMAT
+            or state.get("kind") != STATE_KIND
+        ):
+            raise LoaderStateError(f"not a dataset_rt packed loader state: {state!r}")
+        for key, mine in (
+            ("plan", self._fingerprint),
+            ("seed", self._seed),
+            ("total", self._total),
+            ("shuffle", self._shuffle),
+        ):
+            if state.get(key) != mine:
+                raise LoaderStateError(
+                    f"the state's {key} is {state.get(key)!r} but this loader's is {mine!r}: "
+                    "it was saved by a loader over other rows, weights or settings"
+                )
+        try:
+            epoch = _check_int("epoch", state["epoch"], 0, 2**63 - 1)
+            head = (
+                _check_int("draw", state["draw"], 0, 2**63 - 1),
+                _check_int("offset", state["offset"], 0, 2**63 - 1),
+                _check_int("token", state["token"], 0, 2**63 - 1),
+            )
+        except (KeyError, ArgumentError) as exc:
+            raise LoaderStateError(f"a damaged packed loader state: {exc}") from None
+        self._epoch, self._head, self._ended = epoch, head, bool(state.get("ended", False))
+        # Steps count on from the loaded token, in this loader's step size.
+        self._origin = head[2] % self._step_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenLoader(rows={self._rows:,}, batch_size={self._batch_size}, "
+            f"seq_len={self._seq_len}, epoch={self._epoch}, token={self._head[2]}, "
+            f"rank={self._rank}/{self._world_size})"
+        )
+
+
+def _lengths(data: pl.DataFrame) -> bytes:
+    """The frame's ``length`` column as little-endian u32 values, checked."""
+    if "length" not in data.columns:
+        raise MetadataError(
+            "a packed loader (seq_len=) needs the frame's length column, each document's "
+            "token count: token caches write it; keep it in the frame"
+        )
+    column = data["length"]
+    if not column.dtype.is_integer():
+        raise MetadataError(f"the frame's length column must be integers, not {column.dtype}")
+    bad = data.with_row_index("row").filter(
+        pl.col("length").is_null() | (pl.col("length") < 1) | (pl.col("length") > _U32_MAX)
+    )
+    if bad.height:
+        row, value = bad["row"][0], bad["length"][0]
+        raise MetadataError(
+            f"row {row} of the frame has length {value}: a document holds 1 to {_U32_MAX} tokens"
+        )
+    return column.cast(pl.UInt32).to_numpy().astype("<u4", copy=False).tobytes()
