@@ -144,7 +144,8 @@ class _FrameMethods:
         :class:`dataset_rt.Loader`, where each is described. With ``seq_len``, over rows of
         token caches, it is a :class:`dataset_rt.TokenLoader` of packed token sequences
         instead (options ``shuffle``, ``seed``, ``num_samples``, ``separator``, ``targets``,
-        ``documents``, ``rank``, ``world_size``, ``root``, ``verify``, ``schedule``).
+        ``documents``, ``rank``, ``world_size``, ``root``, ``verify``, ``schedule``,
+        ``num_workers``).
         """
         if "seq_len" in options:
             return TokenLoader(self._frame, batch_size, **options)

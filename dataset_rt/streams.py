@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -95,6 +97,10 @@ class TokenLoader:
         Check every document against its stored checksum.
     schedule
         Weights that change over the run, as for :class:`~dataset_rt.Loader`.
+    num_workers
+        PyTorch DataLoader worker processes, each packing every ``num_workers``-th step
+        (needs PyTorch). Any count gives the same batches; packing is native, so one
+        process is fast already.
     """
 
     def __init__(
@@ -114,6 +120,7 @@ class TokenLoader:
         root: PathLike | None = None,
         verify: bool = False,
         schedule: Sequence[Phase] | None = None,
+        num_workers: int = 0,
     ) -> None:
         from dataset_rt.loader import Loader
 
@@ -123,6 +130,15 @@ class TokenLoader:
         self._shuffle = bool(shuffle)
         self._targets = bool(targets)
         self._documents = bool(documents)
+        self._num_workers = _check_int("num_workers", num_workers, 0)
+        if self._num_workers > 0:
+            try:
+                import torch  # noqa: F401
+            except ImportError:
+                raise ArgumentError(
+                    "num_workers > 0 runs PyTorch DataLoader workers: pip install torch, "
+                    "or use num_workers=0"
+                ) from None
         if num_samples is not None:
             if not self._shuffle:
                 raise ArgumentError(
@@ -179,18 +195,16 @@ class TokenLoader:
         self._plan_samples: pl.DataFrame | None = None
 
     # -- the stream -----------------------------------------------------------------------------
-    def _stream(self, epoch: int) -> _native.TokenStream:
-        return _native.TokenStream(
+    def _steps(self, epoch: int) -> _Steps:
+        return _Steps(
             self._plan,
-            [str(c.path) for c in self._caches],
-            [c.cache_id for c in self._caches],
+            tuple(str(c.path) for c in self._caches),
+            tuple(c.cache_id for c in self._caches),
             self._lengths,
-            seed=self._seed,
-            epoch=epoch,
-            total=self._total,
-            separator=self._separator,
-            verify=self._verify,
-            program=self._program,
+            self._program,
+            (self._seed, epoch, self._total, self._separator, self._verify),
+            (self._rank, self._world_size, self._batch_size, self._seq_len),
+            (self._targets, self._documents),
         )
 
     @property
@@ -225,37 +239,29 @@ class TokenLoader:
         return self._iterate()
 
     def _iterate(self) -> Iterator[dict[str, Any]]:
-        import numpy as np
-
-        stream = self._stream(self._epoch)
-        rows, width = self._batch_size, self._seq_len + self._extra
-        mine, step = self._rank * rows * self._seq_len, self._step_tokens
+        steps = self._steps(self._epoch)
+        stream = steps.stream()
+        step = self._step_tokens
         last = self._epoch_tokens - self._extra  # a row and its target lie within the epoch
-        while self._head[2] + step <= last:
-            ids = np.empty((rows, width), dtype=np.int64)
-            docs = np.empty((rows, width), dtype=np.int32) if self._documents else None
-            stream.fill(stream.advance(self._head, mine), rows, self._seq_len, ids, docs)
-            self._head = stream.advance(self._head, step)
-            # Known at the last step, not one call later: a loop that stops after len()
-            # steps (Lightning) then starts the next epoch with its next iter().
-            self._ended = self._head[2] + step > last
-            yield self._batch(ids, docs)
-        self._ended = True
-
-    def _batch(self, ids: np.ndarray, docs: np.ndarray | None) -> dict[str, Any]:
-        try:
-            import torch
-        except ImportError:
-            convert: Any = lambda a: a  # noqa: E731
+        if self._num_workers == 0:
+            batches = steps.batches(self._head, last)
         else:
-            convert = torch.from_numpy
-        length = self._seq_len
-        batch = {"input_ids": convert(ids[:, :length])}
-        if self._targets:
-            batch["labels"] = convert(ids[:, 1:])
-        if docs is not None:
-            batch["document_ids"] = convert(docs[:, :length])
-        return batch
+            from dataset_rt.workers import run_workers
+
+            produce = functools.partial(steps.batches, self._head, last)
+            batches = run_workers(produce, self._num_workers, 2 * self._num_workers)
+        try:
+            for batch in batches:
+                self._head = stream.advance(self._head, step)
+                # Known at the last step, not one call later: a loop that stops after len()
+                # steps (Lightning) then starts the next epoch with its next iter().
+                self._ended = self._head[2] + step > last
+                yield batch
+            self._ended = True
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # shuts the workers down when the consumer stops early
 
     # -- what the model saw ---------------------------------------------------------------------
     def seen(
@@ -290,7 +296,7 @@ class TokenLoader:
             steps = range(_check_int("steps", steps, 0), steps + 1)
         if steps.step != 1 or steps.start < 0:
             raise ArgumentError(f"steps must be a step or a range of steps, got {steps!r}")
-        stream = self._stream(epoch)
+        stream = self._steps(epoch).stream()
         rows, length, step = self._batch_size, self._seq_len, self._step_tokens
         origin = self._origin if epoch == self._epoch else 0
         ranks = range(self._world_size) if all_ranks else range(self._rank, self._rank + 1)
@@ -424,3 +430,71 @@ def _lengths(data: pl.DataFrame) -> bytes:
             f"row {row} of the frame has length {value}: a document holds 1 to {_U32_MAX} tokens"
         )
     return column.cast(pl.UInt32).to_numpy().astype("<u4", copy=False).tobytes()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+    """What a process needs to pack a rank's steps of one epoch; pickles to worker processes."""
+
+    plan: str
+    cache_dirs: tuple[str, ...]
+    cache_ids: tuple[str, ...]
+    lengths: bytes
+    program: _native.Program | None
+    draws: tuple[int, int, int, int | None, bool]
+    """seed, epoch, documents per epoch, separator, verify."""
+    shape: tuple[int, int, int, int]
+    """rank, world size, rows per batch, seq_len."""
+    outputs: tuple[bool, bool]
+    """targets, documents."""
+
+    def stream(self) -> _native.TokenStream:
+        seed, epoch, total, separator, verify = self.draws
+        return _native.TokenStream(
+            self.plan,
+            list(self.cache_dirs),
+            list(self.cache_ids),
+            self.lengths,
+            seed=seed,
+            epoch=epoch,
+            total=total,
+            separator=separator,
+            verify=verify,
+            program=self.program,
+        )
+
+    def batches(
+        self, head: Cursor, last: int, worker: int = 0, workers: int = 1
+    ) -> Iterator[dict[str, Any]]:
+        """Steps ``worker``, ``worker + workers``, ... of those from ``head`` ending by ``last``."""
+        import numpy as np
+
+        rank, world_size, rows, length = self.shape
+        targets, documents = self.outputs
+        width = length + int(targets)
+        mine, step = rank * rows * length, world_size * rows * length
+        stream = self.stream()
+        number = 0
+        while head[2] + step <= last:
+            if number % workers == worker:
+                ids = np.empty((rows, width), dtype=np.int64)
+                docs = np.empty((rows, width), dtype=np.int32) if documents else None
+                stream.fill(stream.advance(head, mine), rows, length, ids, docs)
+                yield self._batch(ids, docs)
+            head = stream.advance(head, step)
+            number += 1
+
+    def _batch(self, ids: np.ndarray, docs: np.ndarray | None) -> dict[str, Any]:
+        try:
+            import torch
+        except ImportError:
+            convert: Any = lambda a: a  # noqa: E731
+        else:
+            convert = torch.from_numpy
+        length = self.shape[3]
+        batch = {"input_ids": convert(ids[:, :length])}
+        if self.outputs[0]:
+            batch["labels"] = convert(ids[:, 1:])
+        if docs is not None:
+            batch["document_ids"] = convert(docs[:, :length])
+        return batch

@@ -35,7 +35,7 @@ import pickle
 import select
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from dataset_rt.errors import ArgumentError, WorkerError
 from dataset_rt.pipeline import LoaderSpec, assemble
 from dataset_rt.processes import ForkServerContext, SpawnContext
 
-__all__ = ["DEFAULT_START_TIMEOUT", "pack", "start_timeout", "worker_batches"]
+__all__ = ["DEFAULT_START_TIMEOUT", "pack", "run_workers", "start_timeout", "worker_batches"]
 
 START_TIMEOUT_VARIABLE = "DATASET_RT_WORKER_START_TIMEOUT"
 DEFAULT_START_TIMEOUT = 120.0
@@ -179,6 +179,21 @@ class _WorkerStream(tud.IterableDataset[Any]):
             yield out, len(batch), batch.nbytes, times
 
 
+class _Produced(tud.IterableDataset[Any]):
+    """Each worker's share of what ``produce(worker, workers)`` yields."""
+
+    def __init__(self, produce: Callable[[int, int], Iterator[Any]]) -> None:
+        self.produce = produce
+        self.loader_pid = os.getpid()
+
+    def __iter__(self) -> Iterator[Any]:
+        _exit_with(self.loader_pid)
+        yield _STARTED
+        info = tud.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        yield from self.produce(worker, workers)
+
+
 def _context() -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return SpawnContext()
@@ -197,8 +212,25 @@ def worker_batches(
 
     ``packed`` is the loader's spec from :func:`pack`; ``depth`` the batches to keep in flight.
     """
+    return _run(_WorkerStream(packed, schedule, epoch), num_workers, depth)
+
+
+def run_workers(
+    produce: Callable[[int, int], Iterator[Any]], num_workers: int, depth: int
+) -> Iterator[Any]:
+    """Yields what ``produce(w, num_workers)`` yields in worker processes ``w``, in turn.
+
+    ``produce`` travels to the workers by pickle; worker ``w`` yields every
+    ``num_workers``-th item from item ``w`` on, so that taking one item from each worker
+    in turn gives them in order. ``depth`` is the items to keep in flight.
+    """
+    return _run(_Produced(produce), num_workers, depth)
+
+
+def _run(stream: tud.IterableDataset[Any], num_workers: int, depth: int) -> Iterator[Any]:
+    """Yields ``stream``'s items (after each worker's start report) from its processes."""
     loader = tud.DataLoader(
-        _WorkerStream(packed, schedule, epoch),
+        stream,
         batch_size=None,
         collate_fn=_keep,
         num_workers=num_workers,

@@ -331,3 +331,24 @@ def test_seen_names_the_documents_behind_every_row(
     everyone = loader.seen(range(2, 4), all_ranks=True)
     assert set(everyone["rank"]) == {0, 1} and set(everyone["step"]) == {2, 3}
     assert everyone.filter(rank=1).equals(loader.seen(range(2, 4)))
+
+
+def test_workers_pack_the_same_batches_and_resume_alike(
+    corpus: tuple[drt.Cache, list[np.ndarray]],
+) -> None:
+    cache, _ = corpus
+    frame = cache.metadata
+    alone = list(frame.drt.loader(3, seq_len=16, seed=2, documents=True))
+    loader = frame.drt.loader(3, seq_len=16, seed=2, documents=True, num_workers=2)
+    batches = iter(loader)
+    first = [next(batches) for _ in range(5)]
+    state = loader.state_dict()
+    del batches
+    resumed = frame.drt.loader(3, seq_len=16, seed=2, documents=True, num_workers=1)
+    resumed.load_state_dict(state)
+    together = first + list(resumed)
+    assert len(together) == len(alone)
+    for a, b in zip(alone, together, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
