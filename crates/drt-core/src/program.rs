@@ -20,13 +20,11 @@
 //! header (64 bytes): TABLE_MAGIC, rows u64 | threshold u32[rows] | alias u32[rows]
 //! ```
 
-use std::io::Write;
 use std::path::Path;
 
 use crate::error::{IoContext, Result};
-use crate::index::HashingWriter;
-use crate::plan::{write_le, MappedTable, Plan, TABLE_MAGIC};
-use crate::sampler::{mix64, AliasTable, EpochRandom};
+use crate::plan::{MappedTable, Plan, TABLE_MAGIC};
+use crate::sampler::{build_alias, mix64, EpochRandom};
 
 const HEADER_LEN: usize = crate::plan::HEADER_LEN;
 
@@ -34,26 +32,64 @@ const HEADER_LEN: usize = crate::plan::HEADER_LEN;
 /// if `sync` says so, then renamed. Returns the xxh3-64 of the file. Errors name `column`
 /// and the first bad weight's row.
 pub fn write_table(path: &Path, weights: &[f64], column: &str, sync: bool) -> Result<u64> {
-    let table = AliasTable::new(weights, column)?;
     let partial = path.with_extension("partial");
-    let file = std::fs::File::create(&partial).at(&partial)?;
-    let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(1 << 20, file));
-    let mut header = [0u8; HEADER_LEN];
-    header[..8].copy_from_slice(TABLE_MAGIC);
-    header[8..16].copy_from_slice(&(weights.len() as u64).to_le_bytes());
-    out.write_all(&header).at(&partial)?;
-    write_le(&mut out, &table.threshold, &partial)?;
-    write_le(&mut out, &table.alias, &partial)?;
-    let (_, digest, inner) = out.finish();
-    let file = inner
-        .into_inner()
-        .map_err(|e| e.into_error())
+    let n = weights.len();
+    let len = HEADER_LEN + 8 * n;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&partial)
         .at(&partial)?;
+    // The table is built in the file's own pages: no copy of it on the heap. The space is
+    // reserved first, so that a full disk (or /dev/shm) is an error here rather than a
+    // SIGBUS when a page of the mapping is first written.
+    reserve(&file, len).at(&partial)?;
+    // SAFETY: the file is this call's own, under a temporary name no other process opens,
+    // and its `len` bytes are allocated; the mapping is dropped before the file is renamed.
+    let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.at(&partial)?;
+    let (header, body) = map.split_at_mut(HEADER_LEN);
+    header[..8].copy_from_slice(TABLE_MAGIC);
+    header[8..16].copy_from_slice(&(n as u64).to_le_bytes());
+    header[16..].fill(0);
+    let (thresholds, aliases) = body.split_at_mut(4 * n);
+    let (threshold, alias) = (as_u32s(thresholds), as_u32s(aliases));
+    build_alias(weights, column, threshold, alias)?;
+    if cfg!(target_endian = "big") {
+        threshold.iter_mut().for_each(|v| *v = v.to_le());
+        alias.iter_mut().for_each(|v| *v = v.to_le());
+    }
+    let digest = xxhash_rust::xxh3::xxh3_64(&map);
     if sync {
+        map.flush().at(&partial)?;
         file.sync_all().at(&partial)?;
     }
+    drop(map);
     std::fs::rename(&partial, path).at(path)?;
     Ok(digest)
+}
+
+/// Allocates `len` bytes of `file`'s blocks.
+fn reserve(file: &std::fs::File, len: usize) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(len).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: a plain system call on an open descriptor.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        code => Err(std::io::Error::from_raw_os_error(code)),
+    }
+}
+
+/// The u32 values of a 4-byte-aligned region of a mapping.
+fn as_u32s(bytes: &mut [u8]) -> &mut [u32] {
+    // SAFETY: every bit pattern is a valid u32, and the region is checked to be aligned.
+    let (head, values, tail) = unsafe { bytes.align_to_mut::<u32>() };
+    assert!(
+        head.is_empty() && tail.is_empty(),
+        "a table region is 4-byte aligned"
+    );
+    values
 }
 
 /// A run of global draws, from `start` to the next segment's start, with the same weights.
@@ -310,6 +346,7 @@ impl Drawn {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampler::AliasTable;
 
     fn table(dir: &Path, name: &str, weights: &[f64]) -> MappedTable {
         let path = dir.join(name);

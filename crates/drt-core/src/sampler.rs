@@ -60,58 +60,9 @@ impl AliasTable {
     /// Builds the table for `weights`; P(row i) = w_i / Σw. Rows of weight zero are never
     /// drawn. Errors name the first bad weight's row.
     pub fn new(weights: &[f64], column: &str) -> Result<Self> {
-        let n = weights.len();
-        if n as u64 > MAX_ROWS {
-            return Err(Error::InvalidArgument(format!(
-                "{n} rows exceed the sampler's limit of {MAX_ROWS}"
-            )));
-        }
-        let total = checked_total(weights.iter().map(|&w| Some(w)), column)?;
-        let scale = n as f64 / total;
-        let mut scaled: Vec<f64> = weights.iter().map(|&w| w * scale).collect();
-        let mut threshold = vec![0u32; n];
-        let mut alias = vec![0u32; n];
-        // One buffer holds both work lists: small from the front, large from the back.
-        let mut work = vec![0u32; n];
-        let (mut small, mut large) = (0usize, n);
-        for (i, &p) in scaled.iter().enumerate() {
-            if p < 1.0 {
-                work[small] = i as u32;
-                small += 1;
-            } else {
-                large -= 1;
-                work[large] = i as u32;
-            }
-        }
-        let mut small_top = small;
-        let mut large_top = large;
-        // `work[..small_top]` are pending small rows, `work[large_top..]` pending large rows.
-        while small_top > 0 && large_top < n {
-            small_top -= 1;
-            let s = work[small_top] as usize;
-            let l = work[large_top] as usize;
-            threshold[s] = to_threshold(scaled[s]);
-            alias[s] = l as u32;
-            scaled[l] = (scaled[l] + scaled[s]) - 1.0;
-            if scaled[l] < 1.0 {
-                // `l` becomes small: move it from the large list to the small list.
-                large_top += 1;
-                work[small_top] = l as u32;
-                small_top += 1;
-            }
-        }
-        // Leftovers are 1 up to rounding; rows of weight zero must still never be drawn.
-        let any_positive = weights.iter().position(|&w| w > 0.0).unwrap_or(0) as u32;
-        for &i in work[..small_top].iter().chain(&work[large_top..]) {
-            let i = i as usize;
-            if weights[i] > 0.0 {
-                threshold[i] = u32::MAX;
-                alias[i] = i as u32;
-            } else {
-                threshold[i] = 0;
-                alias[i] = any_positive;
-            }
-        }
+        let mut threshold = vec![0u32; weights.len()];
+        let mut alias = vec![0u32; weights.len()];
+        build_alias(weights, column, &mut threshold, &mut alias)?;
         Ok(Self { threshold, alias })
     }
 
@@ -124,6 +75,102 @@ impl AliasTable {
     pub fn is_empty(&self) -> bool {
         self.threshold.is_empty()
     }
+}
+
+/// Builds the alias table of `weights` into `threshold` and `alias` (as long as
+/// `weights`): Vose's method, the same table [`AliasTable::new`] holds.
+///
+/// A row's scaled weight (a large row's residual, as it shrinks) is kept in its own
+/// threshold and alias slots, as the two halves of an f64, instead of in a scaled copy of
+/// the weights: the slots get their final values when the row leaves the work lists,
+/// after its weight was last read.
+pub fn build_alias(
+    weights: &[f64],
+    column: &str,
+    threshold: &mut [u32],
+    alias: &mut [u32],
+) -> Result<()> {
+    let n = weights.len();
+    if n as u64 > MAX_ROWS {
+        return Err(Error::InvalidArgument(format!(
+            "{n} rows exceed the sampler's limit of {MAX_ROWS}"
+        )));
+    }
+    assert!(
+        threshold.len() == n && alias.len() == n,
+        "table slots for every row"
+    );
+    // The checks without a branch per weight; the checked sum (same order, same value)
+    // finds what is wrong when something is.
+    let (mut total, mut valid) = (0.0f64, true);
+    for &w in weights {
+        total += w;
+        valid &= w >= 0.0 && w.is_finite();
+    }
+    if !(valid && total.is_finite() && total > 0.0) {
+        total = checked_total(weights.iter().map(|&w| Some(w)), column)?;
+    }
+    let scale = n as f64 / total;
+    // One buffer holds both work lists: small from the front, large from the back. Each
+    // row is written to both ends of the free middle and kept at one: no branch on the
+    // weight, which random weights would mispredict half the time.
+    let mut work = vec![0u32; n];
+    let (mut small, mut large) = (0usize, n);
+    for (i, &w) in weights.iter().enumerate() {
+        let p = w * scale;
+        store(threshold, alias, i, p);
+        let is_small = usize::from(p < 1.0);
+        work[small] = i as u32;
+        work[large - 1] = i as u32;
+        small += is_small;
+        large -= 1 - is_small;
+    }
+    let mut small_top = small;
+    let mut large_top = large;
+    // `work[..small_top]` are pending small rows, `work[large_top..]` pending large rows.
+    while small_top > 0 && large_top < n {
+        small_top -= 1;
+        let s = work[small_top] as usize;
+        let l = work[large_top] as usize;
+        let ps = load(threshold, alias, s);
+        let pl = (load(threshold, alias, l) + ps) - 1.0;
+        threshold[s] = to_threshold(ps);
+        alias[s] = l as u32;
+        store(threshold, alias, l, pl);
+        // If `l` becomes small, it moves from the large list to the small list (the slot
+        // `s` left is free either way).
+        let moves = usize::from(pl < 1.0);
+        work[small_top] = l as u32;
+        large_top += moves;
+        small_top += moves;
+    }
+    // Leftovers are 1 up to rounding; rows of weight zero must still never be drawn.
+    let any_positive = weights.iter().position(|&w| w > 0.0).unwrap_or(0) as u32;
+    for &i in work[..small_top].iter().chain(&work[large_top..]) {
+        let i = i as usize;
+        if weights[i] > 0.0 {
+            threshold[i] = u32::MAX;
+            alias[i] = i as u32;
+        } else {
+            threshold[i] = 0;
+            alias[i] = any_positive;
+        }
+    }
+    Ok(())
+}
+
+/// Keeps `p` in row `i`'s threshold (low half) and alias (high half) slots.
+#[inline]
+fn store(threshold: &mut [u32], alias: &mut [u32], i: usize, p: f64) {
+    let bits = p.to_bits();
+    threshold[i] = bits as u32;
+    alias[i] = (bits >> 32) as u32;
+}
+
+/// The value [`store`] kept for row `i`.
+#[inline]
+fn load(threshold: &[u32], alias: &[u32], i: usize) -> f64 {
+    f64::from_bits(u64::from(threshold[i]) | (u64::from(alias[i]) << 32))
 }
 
 #[inline]
@@ -174,6 +221,84 @@ pub fn draw_counts(table: &AliasTable, random: EpochRandom, n: u64) -> Vec<u64> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Vose's method with a scaled copy of the weights: the table every plan and weight file
+    /// held before their residuals moved into the table's own slots.
+    fn vose_with_a_copy(weights: &[f64]) -> (Vec<u32>, Vec<u32>) {
+        let n = weights.len();
+        let total: f64 = weights.iter().sum();
+        let mut scaled: Vec<f64> = weights.iter().map(|&w| w * (n as f64 / total)).collect();
+        let (mut threshold, mut alias) = (vec![0u32; n], vec![0u32; n]);
+        let mut work = vec![0u32; n];
+        let (mut small, mut large) = (0usize, n);
+        for (i, &p) in scaled.iter().enumerate() {
+            if p < 1.0 {
+                work[small] = i as u32;
+                small += 1;
+            } else {
+                large -= 1;
+                work[large] = i as u32;
+            }
+        }
+        while small > 0 && large < n {
+            small -= 1;
+            let (s, l) = (work[small] as usize, work[large] as usize);
+            threshold[s] = to_threshold(scaled[s]);
+            alias[s] = l as u32;
+            scaled[l] = (scaled[l] + scaled[s]) - 1.0;
+            if scaled[l] < 1.0 {
+                large += 1;
+                work[small] = l as u32;
+                small += 1;
+            }
+        }
+        let any = weights.iter().position(|&w| w > 0.0).unwrap_or(0) as u32;
+        for &i in work[..small].iter().chain(&work[large..]) {
+            let i = i as usize;
+            (threshold[i], alias[i]) = if weights[i] > 0.0 {
+                (u32::MAX, i as u32)
+            } else {
+                (0, any)
+            };
+        }
+        (threshold, alias)
+    }
+
+    #[test]
+    fn tables_are_those_of_vose_with_a_scaled_copy() {
+        let mut state = 7u64;
+        for n in [1usize, 2, 3, 10, 1000, 100_000] {
+            for kind in 0..4 {
+                let weights: Vec<f64> = (0..n)
+                    .map(|i| {
+                        state = mix64(state);
+                        let u = (state >> 11) as f64 / (1u64 << 53) as f64;
+                        match kind {
+                            0 => u,
+                            1 => (i % 7) as f64,
+                            2 => -u.ln() * if i % 50 == 0 { 1000.0 } else { 1.0 },
+                            _ => {
+                                if i % 3 == 0 {
+                                    0.0
+                                } else {
+                                    1.0
+                                }
+                            }
+                        }
+                    })
+                    .collect();
+                if weights.iter().sum::<f64>() == 0.0 {
+                    continue;
+                }
+                let table = AliasTable::new(&weights, "w").unwrap();
+                let (threshold, alias) = vose_with_a_copy(&weights);
+                assert!(
+                    table.threshold == threshold && table.alias == alias,
+                    "n={n} kind={kind}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn draws_follow_the_weights() {
