@@ -462,3 +462,30 @@ def test_an_overwriting_build_leaves_only_its_own_objects(
     files = {file for file, _ in _native.read_manifest(smaller.path).files}
     assert keys == files | {"manifest.json"}
     assert len(drt.open("rc", root=url, storage_options=options)) == 20
+
+
+def test_a_packed_loader_reads_a_token_cache_in_object_storage(
+    bucket: str, options: dict[str, str], tmp_path: Path
+) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 30_000, size=int(rng.integers(5, 300))) for _ in range(400)]
+    drt.cache(
+        docs,
+        "rtok",
+        root=f"s3://{bucket}/tokens",
+        serializer="tokens",
+        shard_size=8 << 10,
+        storage_options=options,
+        progress=False,
+    )
+    local = drt.cache(docs, "rtok-local", serializer="tokens", progress=False)
+    remote = drt.open(
+        "rtok", root=f"s3://{bucket}/tokens", storage_options=options, local_dir=tmp_path / "local"
+    )
+    a = list(remote.metadata.drt.loader(4, seq_len=64, seed=1, separator=0))
+    b = list(local.metadata.drt.loader(4, seq_len=64, seed=1, separator=0))
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b, strict=True):
+        assert (x["input_ids"] == y["input_ids"]).all()

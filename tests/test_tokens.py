@@ -352,3 +352,14 @@ def test_workers_pack_the_same_batches_and_resume_alike(
         assert a.keys() == b.keys()
         for key in a:
             np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_parallel_builds_and_appends_write_the_same_token_records() -> None:
+    docs = documents(200, seed=8)
+    one = drt.cache(docs, "tokens-one", serializer="tokens", progress=False)
+    two = drt.cache(docs, "tokens-two", serializer="tokens", num_proc=2, progress=False)
+    assert one.metadata.drop("cache_id").equals(two.metadata.drop("cache_id"))
+    assert all(np.array_equal(one.get(i), two.get(i)) for i in range(0, 200, 7))
+    grown = drt.append("tokens-one", documents(5, seed=9), progress=False)
+    assert grown.metadata["length"].to_list()[-5:] == [len(d) for d in documents(5, seed=9)]
+    np.testing.assert_array_equal(grown.get(202), documents(5, seed=9)[2])
