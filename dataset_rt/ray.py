@@ -25,15 +25,14 @@ from dataset_rt.build import (
     DEFAULT_SHARD_SIZE,
     PARTS_DIR,
     Compression,
-    _Options,
     _try_open,
-    _write_records,
     check_name,
     compression_args,
 )
 from dataset_rt.caches import Cache, write_version_plan
 from dataset_rt.errors import ArgumentError
 from dataset_rt.metadata import MetadataCollector
+from dataset_rt.records import BuildOptions, write_records
 from dataset_rt.roots import PathLike, resolve_root
 from dataset_rt.serialize import resolve_serializer
 
@@ -112,7 +111,7 @@ def cache(
     if not isinstance(ds, ray.data.Dataset):
         raise ArgumentError(f"ds must be a ray.data.Dataset, not {type(ds).__name__}")
     check_name(name)
-    options = _Options(
+    options = BuildOptions(
         name,
         _metadata_function(metadata),
         "pickle",
@@ -199,7 +198,7 @@ class _CacheDatasink(Datasink[_TaskResult]):
     The driver keeps the build (``builder``); the tasks receive a copy without it.
     """
 
-    def __init__(self, builder: _native.CacheBuilder, options: _Options) -> None:
+    def __init__(self, builder: _native.CacheBuilder, options: BuildOptions) -> None:
         self.builder: _native.CacheBuilder | None = builder
         self.build_dir = str(builder.path)
         self.metadata = options.metadata
@@ -221,7 +220,7 @@ class _CacheDatasink(Datasink[_TaskResult]):
         ser_name, dumps = resolve_serializer("pickle")
         writer = _native.PartWriter(self.build_dir, relative, *self.layout)
         collector = MetadataCollector()
-        _write_records(
+        write_records(
             _rows(blocks), writer.append, dumps, ser_name, self.metadata, collector, _NoProgress()
         )
         count = writer.num_samples
