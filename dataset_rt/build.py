@@ -12,7 +12,7 @@ from typing import Any
 import polars as pl
 
 from dataset_rt import _native, registry, roots
-from dataset_rt.caches import Cache, write_version_plan
+from dataset_rt.caches import Cache
 from dataset_rt.caches import open as open_cache
 from dataset_rt.errors import (
     ArgumentError,
@@ -35,6 +35,7 @@ from dataset_rt.records import (
 )
 from dataset_rt.roots import PathLike, resolve_root, root_url
 from dataset_rt.serialize import Decoder, SerializerSpec, resolve_serializer
+from dataset_rt.versions import write_version_plan
 
 __all__ = ["append", "cache"]
 

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import operator
-import os
 import pickle
-import re
-import sys
-import warnings
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,47 +15,32 @@ from dataset_rt import _native, registry, roots
 from dataset_rt.errors import (
     ArgumentError,
     CacheCorruptError,
-    CacheIOError,
     CacheNotFoundError,
     DatasetRTError,
-    MetadataError,
     SampleIndexError,
     SerializationError,
-    StaleCacheError,
 )
-from dataset_rt.metadata import checked_edit, checked_scan
 from dataset_rt.progress import format_bytes
 from dataset_rt.roots import PathLike, resolve_root, root_url
 from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for
 from dataset_rt.verify import VerifyReport, verify
+from dataset_rt.versions import MetadataVersions, local_copy
 
 if TYPE_CHECKING:
-    from dataset_rt.fetch import LocalCopy
+    pass
 
 __all__ = [
     "Cache",
     "list_caches",
-    "local_copy",
     "manifest_rows",
     "open",
     "open_by_id",
     "restore_saved_plan",
     "saved_plan",
-    "write_version_plan",
 ]
 
 
-def local_copy(path: Path | str) -> LocalCopy | None:
-    """The local copy of the remote cache whose directory is ``path``; None for a local cache.
-
-    :mod:`dataset_rt.fetch` holds the copies: until a remote cache is opened it is not even
-    imported (it brings sockets, thread pools and obstore), so local work never pays for it.
-    """
-    fetch = sys.modules.get("dataset_rt.fetch")
-    return None if fetch is None else fetch.copy_for(path)
-
-
-class Cache:
+class Cache(MetadataVersions):
     """A cache on disk: payload records by ``sample_id`` and their metadata table.
 
     Get one from :func:`dataset_rt.cache` or :func:`dataset_rt.open`. The index and the
@@ -283,218 +264,6 @@ class Cache:
             f"decoding sample_id {sample_id} of cache {self.name!r} failed: {exc!r}"
         )
 
-    # -- metadata ---------------------------------------------------------------------------
-    def _live_manifest(self) -> _native.Manifest:
-        """The manifest on disk now.
-
-        Records appended since this object was opened become readable through it: its
-        reader is replaced by one that sees them.
-        """
-        manifest = _native.Store(str(self._root)).manifest(self.name)
-        if manifest.cache_id != self.cache_id:
-            raise StaleCacheError(
-                f"cache {self.name!r} was rebuilt since it was opened (cache_id "
-                f"{self.cache_id} is now {manifest.cache_id}); open it again"
-            )
-        if manifest.num_samples != self._manifest.num_samples:
-            reader = registry.open_reader(self._root, self.name)
-            if reader.manifest.cache_id == self.cache_id:
-                self._reader, self._manifest = reader, reader.manifest
-        return manifest
-
-    @property
-    def metadata_version(self) -> int:
-        """The live metadata version: the one :attr:`metadata` returns."""
-        return self._live_manifest().metadata_version
-
-    def _metadata_path(self, version: int) -> Path:
-        return self.path / _native.metadata_file(version)
-
-    def _checked_metadata_path(self, version: int, manifest: _native.Manifest | None) -> Path:
-        """The file of metadata version ``version``, checked against its recorded checksum."""
-        expected = (manifest or self._live_manifest()).metadata_checksums.get(version)
-        return _native.checked_metadata_table(self.path, version, expected)
-
-    def _read_metadata(
-        self, version: int, manifest: _native.Manifest | None = None
-    ) -> pl.DataFrame:
-        path = self._checked_metadata_path(version, manifest)
-        try:
-            return pl.read_parquet(path)
-        except (OSError, pl.exceptions.PolarsError) as exc:
-            raise CacheCorruptError(f"{path}: unreadable metadata table: {exc}") from exc
-
-    @property
-    def metadata(self) -> pl.DataFrame:
-        """The live metadata table: ``cache_id``, ``sample_id``, attributes, ``weight``."""
-        manifest = self._live_manifest()
-        version = manifest.metadata_version
-        if self._metadata is None or self._metadata[0] != version:
-            self._metadata = (version, self._read_metadata(version, manifest))
-        return self._metadata[1]
-
-    def scan(self) -> pl.LazyFrame:
-        """The live metadata table as a LazyFrame (nothing is read until collected).
-
-        A shuffled loader made from this very LazyFrame, unchanged (``cache.scan().drt.
-        loader(...)``), reads nothing of the table: it maps the sampling plan saved with the
-        version, so it starts in the same time for a billion rows as for a thousand, and
-        draws exactly what a loader over :attr:`metadata` draws.
-
-        The table is checked against its checksum before a query first reads it: with
-        Polars 2 when that query runs (a damaged table raises :class:`CacheCorruptError`
-        from ``collect``), with older Polars here.
-        """
-        manifest = self._live_manifest()
-        version = manifest.metadata_version
-        frame = checked_scan(
-            _native.metadata_table_file(self.path, version),
-            lambda: self._checked_metadata_path(version, manifest),
-        )
-        registry.remember_version(frame, self, version)
-        return frame
-
-    def _version_plan(self, version: int, verify: bool) -> tuple[str, str, int] | None:
-        """The saved plan of metadata ``version`` as (path, digest, rows), if it has a sound one.
-
-        A plan that is missing, or whose size does not match its header, is passed over (the
-        loader then builds its own, and puts it back); so is one whose bytes fail their
-        checksum, which is read only with ``verify`` (as records' are), and by :meth:`verify`.
-        """
-        digest = self._live_manifest().plan_checksums.get(version)
-        if digest is None:
-            return None
-        path = self.path / _native.plan_file(version)
-        try:
-            copy = local_copy(self.path)
-            if copy is not None:  # a remote cache's plan is fetched when a loader needs it
-                copy.fetch(_native.plan_file(version))
-            rows, caches, weighted = _native.plan_rows(path)
-            if verify and _native.file_checksum(path)[1] != digest:
-                return None
-        except StaleCacheError:
-            raise
-        except (CacheCorruptError, CacheIOError, CacheNotFoundError):
-            return None
-        if caches != 1 or not weighted:
-            return None
-        return str(path), digest, rows
-
-    def _restore_plan(self, version: int, source: str) -> None:
-        """Puts back the saved plan of ``version`` from ``source`` if it is the one saved.
-
-        ``source`` is a loader's own plan of the same rows; its checksum says whether it is
-        byte for byte the plan that was saved.
-        """
-        store = _native.Store(str(self._root))
-        try:
-            with store.lock(self.name) as lock:
-                store.restore_plan(lock, self.cache_id, version, source)
-        except DatasetRTError as exc:  # the loader has its own plan: nothing is lost
-            warnings.warn(
-                f"could not put back the sampling plan of metadata version {version} of cache "
-                f"{self.name!r}: {exc}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-    def metadata_versions(self) -> pl.DataFrame:
-        """Every saved metadata version: ``version``, ``rows``, ``columns``, ``saved``, ``live``.
-
-        Versions are never deleted by dataset_rt; :meth:`metadata_at` reads any of them.
-        """
-        manifest = self._live_manifest()
-        rows = []
-        for version in manifest.metadata_versions:
-            path = self._metadata_path(version)
-            schema = pl.read_parquet_schema(path)
-            rows.append(
-                {
-                    "version": version,
-                    "rows": pl.scan_parquet(path).select(pl.len()).collect().item(),
-                    "columns": list(schema),
-                    "saved": datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc),
-                    "live": version == manifest.metadata_version,
-                }
-            )
-        return pl.DataFrame(
-            rows,
-            schema={
-                "version": pl.Int64(),
-                "rows": pl.Int64(),
-                "columns": pl.List(pl.String()),
-                "saved": pl.Datetime("us", "UTC"),
-                "live": pl.Boolean(),
-            },
-            orient="row",
-        )
-
-    def metadata_at(self, version: int) -> pl.DataFrame:
-        """The metadata table as saved in ``version``."""
-        versions = self._live_manifest().metadata_versions
-        if version not in versions:
-            raise MetadataError(
-                f"cache {self.name!r} has no metadata version {version!r}; it has {versions}"
-            )
-        return self._read_metadata(version)
-
-    def save_metadata(self, frame: pl.DataFrame | pl.LazyFrame) -> int:
-        """Saves an edited metadata table as the new live version; returns its number.
-
-        Rows may be filtered out (they are then never sampled) and columns added, such as a
-        per-sample loss joined on ``sample_id``. Payload shards are not touched. The table
-        is checked first and nothing is written if it is rejected; the save itself is
-        atomic, and earlier versions stay readable with :meth:`metadata_at`.
-
-        Parameters
-        ----------
-        frame
-            A table with this cache's ``cache_id`` and ``sample_id`` columns and a numeric
-            ``weight`` column.
-
-        Raises
-        ------
-        MetadataError
-            Rows of another cache or of no sample of this one, duplicated ``sample_id``, or
-            a missing or non-numeric ``weight``.
-        WeightError
-            Negative, NaN, infinite or null weights, or all weights zero.
-        StaleCacheError
-            The cache was rebuilt since this object was opened.
-        """
-        if self.url is not None:
-            raise ArgumentError(
-                f"cache {self.name!r} was opened from {self.url}, where its metadata lives: "
-                "pull it (dataset_rt.remote.pull), save the metadata there and push it back"
-            )
-        if isinstance(frame, pl.LazyFrame):
-            frame = frame.collect()
-        if not isinstance(frame, pl.DataFrame):
-            raise TypeError(
-                f"save_metadata needs a polars DataFrame or LazyFrame, not {type(frame).__name__}"
-            )
-        self._live_manifest()  # records appended since this object was opened count
-        checked = checked_edit(frame, self.cache_id, len(self), self.name)
-        store = _native.Store(str(self._root))
-        with store.lock(self.name) as lock:
-            try:
-                save = store.save_metadata(lock, self.cache_id)
-            except StaleCacheError as exc:
-                raise StaleCacheError(
-                    f"cache {self.name!r} was rebuilt since it was opened; nothing was saved"
-                ) from exc
-            try:
-                checked.write_parquet(save.path)
-                write_version_plan(save.plan_path, checked)
-            except BaseException as exc:
-                save.discard()
-                if isinstance(exc, OSError | pl.exceptions.PolarsError):
-                    raise _io_error(exc, save.path) from exc
-                raise
-            version = save.commit()
-        self._metadata = (version, checked)
-        return version
-
     def verify(self, *, progress: bool = True) -> VerifyReport:
         """Reads every byte of the cache and reports what is damaged.
 
@@ -595,33 +364,9 @@ def restore_saved_plan(frame: object, plan: str) -> None:
         cache._restore_plan(version, plan)
 
 
-def write_version_plan(path: PathLike, frame: pl.DataFrame) -> None:
-    """Writes the loader plan of a metadata table about to be saved (none for an empty one).
-
-    It is the plan a shuffled loader over the table would write for itself, byte for byte:
-    a loader made from :meth:`Cache.scan` maps it instead.
-    """
-    if frame.height:
-        columns = frame.select(
-            pl.col("sample_id").cast(pl.Int64), pl.col("weight").cast(pl.Float64)
-        )
-        _native.write_plan(path, columns, 1, True)
-
-
 def _utc(stamp: str) -> datetime:
     """Parses the manifest's RFC 3339 UTC time (``...Z``; Python 3.10 reads only ``+00:00``)."""
     return datetime.fromisoformat(stamp.removesuffix("Z") + "+00:00")
-
-
-def _io_error(exc: BaseException, path: Path) -> CacheIOError:
-    """An error of writing ``path`` as a :class:`CacheIOError`, keeping its errno."""
-    code = getattr(exc, "errno", None)
-    if code is None:
-        # Polars reports OS errors inside its own messages: "... (os error 28)".
-        found = re.search(r"os error (\d+)", str(exc))
-        code = int(found.group(1)) if found else 0
-    reason = os.strerror(code) if code else str(exc)
-    return CacheIOError(code, f"writing the metadata table failed: {reason}", str(path))
 
 
 def _as_sample_id(sample_id: int) -> int:

@@ -29,12 +29,13 @@ from dataset_rt.build import (
     check_name,
     compression_args,
 )
-from dataset_rt.caches import Cache, write_version_plan
+from dataset_rt.caches import Cache
 from dataset_rt.errors import ArgumentError
 from dataset_rt.metadata import MetadataCollector
 from dataset_rt.records import BuildOptions, write_records
 from dataset_rt.roots import PathLike, resolve_root
 from dataset_rt.serialize import resolve_serializer
+from dataset_rt.versions import write_version_plan
 
 try:
     import ray

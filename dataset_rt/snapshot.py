@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, cast
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt.caches import Cache, local_copy, open_by_id
+from dataset_rt.caches import Cache, open_by_id
 from dataset_rt.errors import MetadataError, SerializationError
 from dataset_rt.metadata import check_weights, link_columns
 from dataset_rt.program import (
@@ -29,6 +29,7 @@ from dataset_rt.program import (
 )
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
+from dataset_rt.versions import local_copy
 
 if TYPE_CHECKING:
     from dataset_rt.fetch import RemoteSource
