@@ -8,7 +8,12 @@ Side by side, in this process, over the same tokens:
   a preallocated int64 batch (what nanoGPT-style loaders do: no weights, no documents);
 - the packed loader: ``df.drt.loader(batch_size, seq_len=...)``, weighted draws of whole
   documents joined and cut in native code;
-- today's record loader with a Python collate that packs the same documents.
+- today's record loader with a Python collate that packs the same documents;
+- the peers' token paths, where installed (``pip install litdata mosaicml-streaming``):
+  LitData's ``optimize`` of the documents with ``TokensLoader`` and a shuffled
+  ``StreamingDataset`` of ``seq_len + 1`` blocks through its ``StreamingDataLoader``;
+  MosaicML Streaming's ``MDSWriter`` of ``seq_len + 1`` blocks concatenated beforehand (as
+  LLM Foundry's text conversion does) and a shuffled ``StreamingDataset``.
 
 Each figure is the median of ``--rounds`` timed passes of ``--batches`` batches, with its
 ratio to the baseline's tokens/s.
@@ -34,10 +39,84 @@ import dataset_rt as drt
 VOCAB = 50_257
 
 
-def corpus(docs: int, seed: int = 0) -> Iterator[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    for _ in range(docs):
-        yield rng.integers(0, VOCAB, size=int(rng.integers(200, 2001)), dtype=np.uint16)
+def document(i: int) -> np.ndarray:
+    """Document ``i``: 200 to 2,000 random ids."""
+    rng = np.random.default_rng([0, i])
+    return rng.integers(0, VOCAB, size=int(rng.integers(200, 2001)), dtype=np.uint16)
+
+
+def corpus(docs: int) -> Iterator[np.ndarray]:
+    return (document(i) for i in range(docs))
+
+
+def _lit_document(i: int) -> Any:
+    """Document ``i`` as LitData's ``optimize`` takes tokens: a 1-D tensor."""
+    import torch
+
+    return torch.from_numpy(document(i).astype(np.int32))
+
+
+def litdata_batches(docs: int, root: Path, rows: int, length: int) -> Iterator[Any] | None:
+    """LitData's token path over the same documents, or None if it is not installed."""
+    try:
+        import litdata
+    except ImportError:
+        return None
+    out = root / "litdata"
+    litdata.optimize(
+        fn=_lit_document,
+        inputs=list(range(docs)),
+        output_dir=str(out),
+        chunk_size=(length + 1) * 2048,
+        item_loader=litdata.TokensLoader(),
+        num_workers=1,
+        verbose=False,
+    )
+    dataset = litdata.StreamingDataset(
+        str(out), item_loader=litdata.TokensLoader(block_size=length + 1), shuffle=True
+    )
+    return forever(lambda: litdata.StreamingDataLoader(dataset, batch_size=rows))
+
+
+def mosaic_batches(stream: np.ndarray, root: Path, rows: int, length: int) -> Iterator[Any] | None:
+    """MosaicML Streaming over the same tokens in blocks, or None if it is not installed."""
+    try:
+        from streaming import MDSWriter, StreamingDataset
+    except ImportError:
+        return None
+    import torch
+
+    out = root / "mosaic"
+    blocks = len(stream) // (length + 1)
+    with MDSWriter(out=str(out), columns={"tokens": f"ndarray:uint16:{length + 1}"}) as writer:
+        for block in stream[: blocks * (length + 1)].reshape(blocks, length + 1):
+            writer.write({"tokens": block})
+    dataset = StreamingDataset(local=str(out), shuffle=True, batch_size=rows)
+
+    def collate(samples: list[dict[str, np.ndarray]]) -> Any:
+        return torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
+
+    def stop() -> None:
+        # Its shard-preparing thread runs on after the loop; its stop flag (no public way)
+        # ends it before the temporary directory goes.
+        event = getattr(dataset, "_event", None)
+        if event is not None:
+            event.set()
+            time.sleep(0.5)
+
+    return forever(
+        lambda: torch.utils.data.DataLoader(dataset, batch_size=rows, collate_fn=collate), stop
+    )
+
+
+def forever(make: Callable[[], Any], stop: Callable[[], None] | None = None) -> Iterator[Any]:
+    """Batches of ``make()``'s loader, epoch after epoch; ``stop()`` when closed."""
+    try:
+        while True:
+            yield from make()
+    finally:
+        if stop is not None:
+            stop()
 
 
 def rate(pass_: Callable[[], int], rounds: int) -> list[float]:
@@ -131,6 +210,22 @@ def main() -> None:
         print(f"  {'packed loader':34} {cell(rate(packed, args.rounds), base)}   (target ≥ 1.0x)")
         collate_rates = rate(collated, args.rounds)
         print(f"  {'record loader + Python packing':34} {cell(collate_rates, base)}")
+        stream = np.fromfile(flat, dtype=np.uint16)
+        peers = {
+            "LitData TokensLoader": lambda: litdata_batches(args.docs, root, rows, length),
+            "MosaicML Streaming": lambda: mosaic_batches(stream, root, rows, length),
+        }
+        for label, make in peers.items():
+            batches = make()
+            if batches is None:
+                print(f"  {label:34} not installed (pip install litdata mosaicml-streaming)")
+                continue
+
+            def peer(batches: Iterator[Any] = batches) -> int:
+                return sum(next(batches).numel() for _ in range(args.batches))
+
+            print(f"  {label:34} {cell(rate(peer, args.rounds), base)}")
+            batches.close()  # stops the peer's reading threads before its files go
         ratio = statistics.median(rate(packed, args.rounds)) / statistics.median(collate_rates)
         print(f"  packed over Python packing: {ratio:.2f}x   (target ≥ 3x)")
 
