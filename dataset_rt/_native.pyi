@@ -112,7 +112,7 @@ class TokenStream:
         plan_path: str | PathLike[str],
         cache_dirs: list[str],
         cache_ids: list[str],
-        lengths: bytes,
+        lengths_path: str | PathLike[str],
         *,
         seed: int,
         epoch: int,

@@ -30,7 +30,7 @@ from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, SerializationError
 
 if TYPE_CHECKING:
-    import numpy as np
+    import numpy.typing as npt
 
 __all__ = [
     "Decoder",
@@ -318,7 +318,7 @@ def _narrowest(low: int, high: int) -> str:
     return "int32" if low >= -(2**31) and high < 2**31 else "int64"
 
 
-def _token_array(document: Any) -> np.ndarray:
+def _token_array(document: Any) -> npt.NDArray[Any]:
     """A document's ids as a one-dimensional integer array; refuses anything else."""
     import numpy as np
 
@@ -395,7 +395,7 @@ def _token_code(data: bytes | memoryview) -> str:
     return code
 
 
-def decode_tokens(data: bytes | memoryview) -> np.ndarray:
+def decode_tokens(data: bytes | memoryview) -> npt.NDArray[Any]:
     """A token record's ids: a read-only NumPy view of the record's bytes, in its type."""
     import numpy
 

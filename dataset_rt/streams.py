@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from dataset_rt.serialize import TOKEN_RANGES
 from dataset_rt.snapshot import snapshot
 
 if TYPE_CHECKING:
-    import numpy as np
+    import numpy.typing as npt
 
 __all__ = ["TokenLoader"]
 
@@ -160,7 +161,8 @@ class TokenLoader:
                     "packed loader (seq_len=) reads token caches: "
                     "drt.cache(documents, name, serializer='tokens')"
                 )
-        lengths = _lengths(data)
+        lengths = os.path.join(os.path.dirname(taken.plan), "lengths.bin")
+        _write_lengths(data, lengths)
         if separator is not None:
             separator = _check_int("separator", separator, -(2**63), 2**63 - 1)
             for cache in taken.caches:
@@ -411,8 +413,8 @@ class TokenLoader:
         )
 
 
-def _lengths(data: pl.DataFrame) -> bytes:
-    """The frame's ``length`` column as little-endian u32 values, checked."""
+def _write_lengths(data: pl.DataFrame, path: str) -> None:
+    """Writes the frame's ``length`` column to ``path`` as little-endian u32 values, checked."""
     if "length" not in data.columns:
         raise MetadataError(
             "a packed loader (seq_len=) needs the frame's length column, each document's "
@@ -429,7 +431,7 @@ def _lengths(data: pl.DataFrame) -> bytes:
         raise MetadataError(
             f"row {row} of the frame has length {value}: a document holds 1 to {_U32_MAX} tokens"
         )
-    return column.cast(pl.UInt32).to_numpy().astype("<u4", copy=False).tobytes()
+    column.cast(pl.UInt32).to_numpy().astype("<u4", copy=False).tofile(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,7 +441,8 @@ class _Steps:
     plan: str
     cache_dirs: tuple[str, ...]
     cache_ids: tuple[str, ...]
-    lengths: bytes
+    lengths: str
+    """The file of the documents' lengths, beside the plan."""
     program: _native.Program | None
     draws: tuple[int, int, int, int | None, bool]
     """seed, epoch, documents per epoch, separator, verify."""
@@ -484,7 +487,7 @@ class _Steps:
             head = stream.advance(head, step)
             number += 1
 
-    def _batch(self, ids: np.ndarray, docs: np.ndarray | None) -> dict[str, Any]:
+    def _batch(self, ids: npt.NDArray[Any], docs: npt.NDArray[Any] | None) -> dict[str, Any]:
         try:
             import torch
         except ImportError:

@@ -12,7 +12,11 @@
 //! a token of it by its draw and offset, so that reading resumes in O(1) from a saved
 //! cursor; moving it forward reads the documents' lengths only.
 
-use crate::error::{Error, Result};
+use std::path::Path;
+
+use memmap2::Mmap;
+
+use crate::error::{Error, IoContext, Result};
 use crate::prefetch::Source;
 use crate::program::row_at;
 
@@ -140,31 +144,40 @@ pub struct Piece {
 /// One epoch's token stream over a loader's plan and caches.
 pub struct TokenStream {
     source: Source,
-    lengths: Vec<u32>,
+    /// One little-endian u32 per plan row: its document's token count.
+    lengths: Mmap,
     separator: Option<i64>,
 }
 
 impl TokenStream {
-    /// The stream of `source`'s epoch; `lengths[row]` is the number of ids of the plan's row
-    /// `row` (checked against each record read), `separator` follows every document.
-    pub fn new(source: Source, lengths: Vec<u32>, separator: Option<i64>) -> Result<Self> {
-        if lengths.len() as u64 != source.plan.rows() {
+    /// The stream of `source`'s epoch. The file `lengths` holds each plan row's number of
+    /// ids as a little-endian u32 (checked against each record read); `separator` follows
+    /// every document.
+    pub fn new(source: Source, lengths: &Path, separator: Option<i64>) -> Result<Self> {
+        let file = std::fs::File::open(lengths).at(lengths)?;
+        // SAFETY: the loader writes the file completely before any stream opens it, and
+        // never changes it; its size is checked below.
+        let map = unsafe { Mmap::map(&file) }.at(lengths)?;
+        if map.len() as u64 != 4 * source.plan.rows() {
             crate::bail_arg!(
-                "{} document lengths for a plan of {} rows",
-                lengths.len(),
+                "{}: {} bytes of document lengths for a plan of {} rows",
+                lengths.display(),
+                map.len(),
                 source.plan.rows()
-            );
-        }
-        if let Some(row) = lengths.iter().position(|&n| n == 0) {
-            crate::bail_arg!(
-                "row {row} of the loader's frame has length 0: a document needs a token"
             );
         }
         Ok(Self {
             source,
-            lengths,
+            lengths: map,
             separator,
         })
+    }
+
+    /// The number of ids of the plan's row `row`.
+    fn length(&self, row: u64) -> u64 {
+        let at = 4 * row as usize;
+        let bytes = self.lengths[at..at + 4].try_into().unwrap_or([0; 4]);
+        u64::from(u32::from_le_bytes(bytes))
     }
 
     /// The plan's row drawn at `draw`.
@@ -182,7 +195,7 @@ impl TokenStream {
 
     /// Tokens of the document drawn at `draw`, its separator included.
     fn tokens(&self, draw: u64) -> u64 {
-        u64::from(self.lengths[self.row(draw) as usize]) + u64::from(self.separator.is_some())
+        self.length(self.row(draw)) + u64::from(self.separator.is_some())
     }
 
     /// Moves `cursor` `n` tokens forward, reading the documents' lengths only.
@@ -291,7 +304,7 @@ impl TokenStream {
                 path: reader.dir().to_path_buf(),
                 msg: format!("sample {sample_id}: {msg}"),
             })?;
-            let expected = self.lengths[row as usize] as usize;
+            let expected = self.length(row) as usize;
             if record.len() != expected {
                 crate::bail_arg!(
                     "sample {sample_id} of cache {:?} holds {} tokens but the loader's frame \

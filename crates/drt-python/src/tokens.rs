@@ -46,17 +46,17 @@ fn writable<T: Element>(buffer: &PyBuffer<T>, name: &str) -> PyResult<(usize, us
 #[pymethods]
 impl PyTokenStream {
     /// The token stream of epoch `epoch` of a loader's plan, whose program places the epoch's
-    /// `total` draws: documents of `lengths` tokens (one little-endian u32 per plan row),
-    /// each followed by `separator`.
+    /// `total` draws: documents of the lengths in file `lengths_path` (one little-endian u32
+    /// per plan row), each followed by `separator`.
     #[new]
-    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, lengths, *, seed, epoch, total, separator, verify, program=None))]
+    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, lengths_path, *, seed, epoch, total, separator, verify, program=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         plan_path: PathBuf,
         cache_dirs: Vec<PathBuf>,
         cache_ids: Vec<String>,
-        lengths: &[u8],
+        lengths_path: PathBuf,
         seed: u64,
         epoch: u64,
         total: u64,
@@ -64,11 +64,6 @@ impl PyTokenStream {
         verify: bool,
         program: Option<&PyProgram>,
     ) -> PyResult<Self> {
-        let (chunks, rest) = lengths.as_chunks::<4>();
-        if !rest.is_empty() {
-            return Err(PyValueError::new_err("lengths must be whole u32 values"));
-        }
-        let lengths: Vec<u32> = chunks.iter().map(|c| u32::from_le_bytes(*c)).collect();
         let options = SourceOptions {
             seed,
             epoch,
@@ -86,7 +81,7 @@ impl PyTokenStream {
                 options,
                 program,
             )?;
-            TokenStream::new(source, lengths, separator)
+            TokenStream::new(source, &lengths_path, separator)
         })?;
         Ok(Self { inner })
     }
