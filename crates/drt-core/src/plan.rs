@@ -219,6 +219,25 @@ impl Plan {
         }
     }
 
+    /// Asks the processor to load what [`row_at`](Self::row_at) reads for `position`.
+    #[inline]
+    pub fn prefetch_row(&self, random: EpochRandom, position: u64) {
+        if let Some(t) = self.table_at {
+            let c = column(random.bits(position), self.rows);
+            prefetch(&self.map, t + 4 * c);
+            prefetch(&self.map, t + 4 * (self.rows as usize + c));
+        }
+    }
+
+    /// Asks the processor to load what [`sample`](Self::sample) reads for `row`.
+    #[inline]
+    pub fn prefetch_sample(&self, row: u64) {
+        prefetch(&self.map, HEADER_LEN + 8 * row as usize);
+        if let Some(c) = self.cache_at {
+            prefetch(&self.map, c + 4 * row as usize);
+        }
+    }
+
     /// The cache code and sample id of `row`.
     #[inline]
     pub fn sample(&self, row: u64) -> (u32, u64) {
@@ -292,6 +311,14 @@ impl MappedTable {
         u32_at(&self.map, base, i)
     }
 
+    /// Asks the processor to load what [`draw`](Self::draw) reads for `bits`.
+    #[inline]
+    pub fn prefetch(&self, bits: u64) {
+        let c = column(bits, self.rows);
+        prefetch(&self.map, self.at + 4 * c);
+        prefetch(&self.map, self.at + 4 * (self.rows as usize + c));
+    }
+
     /// The row that random bits `bits` select (as [`AliasTable::draw`] does).
     #[inline]
     pub fn draw(&self, bits: u64) -> u64 {
@@ -304,6 +331,30 @@ impl MappedTable {
             |c| self.u32_at(aliases, c),
         )
     }
+}
+
+/// The alias-table column that random bits `bits` select among `n` (as `pick` does).
+#[inline]
+fn column(bits: u64, n: u64) -> usize {
+    ((u128::from(bits) * u128::from(n)) >> 64) as usize
+}
+
+/// A hint to load the cache line of byte `at` of `map`, if it lies in it; loads that draws
+/// will make anyway, issued early so that many are in flight at once.
+#[inline]
+fn prefetch(map: &[u8], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at < map.len() {
+        // SAFETY: a prefetch reads nothing and cannot fault; the address lies in `map`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch(
+                map.as_ptr().add(at).cast::<i8>(),
+                std::arch::x86_64::_MM_HINT_T0,
+            );
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (map, at);
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use crate::error::{Error, Result};
 use crate::mapping::Span;
 use crate::plan::Plan;
-use crate::program::{row_at, Program};
+use crate::program::{draw_rows, row_at, Program, PREFETCH_AHEAD};
 use crate::reader::CacheReader;
 use crate::sampler::EpochRandom;
 use crate::schedule::Schedule;
@@ -414,8 +414,19 @@ impl Source {
     fn read_mapped(&self, number: u64) -> Result<Batch> {
         let mut batch = Batch::default();
         batch.number = number;
-        for position in self.schedule.batch_positions(number) {
-            let (cache, sample_id) = self.draw(position);
+        let positions: Vec<u64> = self.schedule.batch_positions(number).collect();
+        let rows = draw_rows(
+            &self.plan,
+            self.program.as_deref(),
+            self.random,
+            (self.first_draw, self.schedule.total),
+            &positions,
+        );
+        for i in 0..rows.len() {
+            if let Some(&ahead) = rows.get(i + PREFETCH_AHEAD) {
+                self.plan.prefetch_sample(ahead);
+            }
+            let (cache, sample_id) = self.plan.sample(rows[i]);
             batch.caches.push(cache);
             batch.sample_ids.push(sample_id);
         }

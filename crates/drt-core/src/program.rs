@@ -177,6 +177,20 @@ impl Program {
     /// `random`, and the segment it falls in.
     #[inline]
     pub fn draw(&self, random: EpochRandom, g: u64, position: u64) -> (u64, u32) {
+        let (i, table, bits) = self.table_of(random, g, position);
+        (self.tables[table as usize].draw(bits), i as u32)
+    }
+
+    /// Asks the processor to load what [`draw`](Self::draw) reads for the same arguments.
+    #[inline]
+    pub fn prefetch(&self, random: EpochRandom, g: u64, position: u64) {
+        let (_, table, bits) = self.table_of(random, g, position);
+        self.tables[table as usize].prefetch(bits);
+    }
+
+    /// The segment of global draw `g`, the table it draws from there, and its random bits.
+    #[inline]
+    fn table_of(&self, random: EpochRandom, g: u64, position: u64) -> (usize, u32, u64) {
         let i = self.segment_of(g);
         let segment = self.segments[i];
         let bits = random.bits(position);
@@ -192,7 +206,7 @@ impl Program {
                 }
             }
         };
-        (self.tables[table as usize].draw(bits), i as u32)
+        (i, table, bits)
     }
 }
 
@@ -227,12 +241,56 @@ pub fn row_at(
     position: u64,
 ) -> (u64, u32) {
     match program {
-        Some(p) => {
-            let g = first.saturating_add(position.min(total.saturating_sub(1)));
-            p.draw(random, g, position)
-        }
+        Some(p) => p.draw(random, global_draw(first, total, position), position),
         None => (plan.row_at(random, position), 0),
     }
+}
+
+/// How many draws ahead a loop over draws asks for the reads it will make: enough that more
+/// of them are in flight than the processor would find on its own.
+pub const PREFETCH_AHEAD: usize = 16;
+
+/// The plan rows drawn at `positions` of an epoch whose first global draw and length are
+/// `(first, total)`, each draw's reads asked for [`PREFETCH_AHEAD`] draws before it.
+pub fn draw_rows(
+    plan: &Plan,
+    program: Option<&Program>,
+    random: EpochRandom,
+    (first, total): (u64, u64),
+    positions: &[u64],
+) -> Vec<u64> {
+    let mut rows = Vec::with_capacity(positions.len());
+    for (i, &position) in positions.iter().enumerate() {
+        if let Some(&ahead) = positions.get(i + PREFETCH_AHEAD) {
+            prefetch_row_at(plan, program, random, first, total, ahead);
+        }
+        rows.push(row_at(plan, program, random, first, total, position).0);
+    }
+    rows
+}
+
+/// Asks the processor to load what [`row_at`] reads for the same arguments.
+#[inline]
+fn prefetch_row_at(
+    plan: &Plan,
+    program: Option<&Program>,
+    random: EpochRandom,
+    first: u64,
+    total: u64,
+    position: u64,
+) {
+    match program {
+        Some(p) => p.prefetch(random, global_draw(first, total, position), position),
+        None => plan.prefetch_row(random, position),
+    }
+}
+
+/// The global draw that position `position` of an epoch (of `total` draws, the first of
+/// them global draw `first`) counts as for the program: padding past the epoch's end counts
+/// as its last draw.
+#[inline]
+fn global_draw(first: u64, total: u64, position: u64) -> u64 {
+    first.saturating_add(position.min(total.saturating_sub(1)))
 }
 
 /// What `count` positions `start, start + step, ...` of epoch `epoch` (of `total` draws)
@@ -268,10 +326,18 @@ pub fn draw_positions(
         let DrawnPart(positions, rows, caches, sample_ids, segments) = part;
         for (i, position) in positions.iter_mut().enumerate() {
             *position = start + step * (offset + i) as u64;
-            (rows[i], segments[i]) = row_at(plan, program, random, first, total, *position);
         }
-        for (i, &row) in rows.iter().enumerate() {
-            (caches[i], sample_ids[i]) = plan.sample(row);
+        for i in 0..positions.len() {
+            if let Some(&ahead) = positions.get(i + PREFETCH_AHEAD) {
+                prefetch_row_at(plan, program, random, first, total, ahead);
+            }
+            (rows[i], segments[i]) = row_at(plan, program, random, first, total, positions[i]);
+        }
+        for i in 0..rows.len() {
+            if let Some(&ahead) = rows.get(i + PREFETCH_AHEAD) {
+                plan.prefetch_sample(ahead);
+            }
+            (caches[i], sample_ids[i]) = plan.sample(rows[i]);
         }
     };
     let threads = std::thread::available_parallelism()
