@@ -184,6 +184,13 @@ class TokenLoader:
         # (with a separator per document), scaled to num_samples documents.
         tokens = int(data["length"].sum()) + taken.rows * (separator is not None)
         self._epoch_tokens = tokens * self._total // taken.rows
+        if len(self) == 0:
+            raise ArgumentError(
+                f"an epoch holds {self._epoch_tokens:,} tokens, fewer than one step takes "
+                f"({self._world_size} rank(s) x batch_size {self._batch_size} x seq_len "
+                f"{self._seq_len}{' + 1 target' if self._targets else ''}): use a smaller "
+                "batch_size or seq_len, or a larger num_samples"
+            )
         ids_digest = hashlib.sha256("\n".join(c.cache_id for c in taken.caches).encode())
         fingerprint = f"{taken.digest}-{ids_digest.hexdigest()[:16]}-sep{separator}"
         if taken.program is not None:

@@ -284,6 +284,8 @@ def test_bad_loader_input_is_refused(corpus: tuple[drt.Cache, list[np.ndarray]])
     frame = cache.metadata
     with pytest.raises(ArgumentError, match="seq_len must be at least 1"):
         frame.drt.loader(2, seq_len=0)
+    with pytest.raises(ArgumentError, match="fewer than one step takes"):
+        frame.drt.loader(64, seq_len=4096)
     fixed = drt.cache(
         [np.arange(1, 9, dtype=np.uint16)], "tokens-u16", serializer="tokens:uint16", progress=False
     )
