@@ -26,12 +26,13 @@ from dataset_rt.snapshot import decoder_of, remote_of, snapshot
 if TYPE_CHECKING:
     from dataset_rt.fetch import ShardPrefetch
 
-__all__ = ["Loader", "LoaderStats", "loader_signature"]
+__all__ = ["Loader", "LoaderStats", "check_int", "loader_signature"]
 
 STATE_FORMAT = 1
 
 
-def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """``value`` if it is an int in ``[minimum, maximum]``; an ``ArgumentError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentError(f"{name} must be an integer, got {value!r}")
     if value < minimum or (maximum is not None and value > maximum):
@@ -142,10 +143,10 @@ class Loader:
         schedule: Sequence[Phase] | None = None,
         history: PathLike | None = None,
     ) -> None:
-        self._batch_size = _check_int("batch_size", batch_size, 1)
-        self._num_workers = _check_int("num_workers", num_workers, 0)
-        prefetch = _check_int("prefetch", prefetch, 1)
-        seed = _check_int("seed", seed, 0, 2**64 - 1)
+        self._batch_size = check_int("batch_size", batch_size, 1)
+        self._num_workers = check_int("num_workers", num_workers, 0)
+        prefetch = check_int("prefetch", prefetch, 1)
+        seed = check_int("seed", seed, 0, 2**64 - 1)
         self._shuffle = bool(shuffle)
         self._drop_last = bool(drop_last)
         if num_samples is not None:
@@ -153,7 +154,7 @@ class Loader:
                 raise ArgumentError(
                     "num_samples applies to shuffled loaders; shuffle=False reads every row once"
                 )
-            num_samples = _check_int("num_samples", num_samples, 1)
+            num_samples = check_int("num_samples", num_samples, 1)
         self._rank, self._world_size = self._resolve_ranks(rank, world_size)
         phases = None if schedule is None else check_phases(schedule)
         if phases is not None and not self._shuffle:
@@ -255,8 +256,8 @@ class Loader:
             return _distributed() or (0, 1)
         if rank is None or world_size is None:
             raise ArgumentError("pass both rank and world_size, or neither")
-        world_size = _check_int("world_size", world_size, 1)
-        return _check_int("rank", rank, 0, world_size - 1), world_size
+        world_size = check_int("world_size", world_size, 1)
+        return check_int("rank", rank, 0, world_size - 1), world_size
 
     def _shard_prefetch(self, schedule: _native.Schedule) -> ShardPrefetch | None:
         """Fetches the remote shards this epoch reads ahead of its batches; None if none is."""
@@ -295,7 +296,7 @@ class Loader:
         in keeps its position mid-epoch, so such a loop resumes mid-epoch after
         :meth:`load_state_dict`; setting an epoch that has ended starts it again.
         """
-        epoch = _check_int("epoch", epoch, 0, 2**63 - 1)
+        epoch = check_int("epoch", epoch, 0, 2**63 - 1)
         if epoch != self._epoch or self._cursor >= self._total:
             self._epoch = epoch
             self._cursor = 0
@@ -363,8 +364,8 @@ class Loader:
                     f"the state's {key} is {state.get(key)!r} but this loader's is {mine!r}: "
                     "it was saved by a loader over other rows, weights or settings"
                 )
-        epoch = _check_int("epoch", state["epoch"], 0, 2**63 - 1)
-        cursor = _check_int("position", state["position"], 0, self._total)
+        epoch = check_int("epoch", state["epoch"], 0, 2**63 - 1)
+        cursor = check_int("position", state["position"], 0, self._total)
         if self._weights.restore(state.get("history"), self._rows):
             self._weights_changed()
         self._epoch, self._cursor = epoch, cursor
@@ -422,7 +423,7 @@ class Loader:
         if step is None:
             # The next epoch not begun: this one while nothing of it is consumed.
             return first + (self._total if self._cursor > 0 else 0)
-        step = _check_int("step", step, 0)
+        step = check_int("step", step, 0)
         position = step * self._batch_size * self._world_size
         if position < self._cursor:
             raise ArgumentError(

@@ -2,44 +2,32 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt.errors import ArgumentError, LoaderStateError, MetadataError
-from dataset_rt.program import Phase, check_phases
+from dataset_rt.errors import ArgumentError, LoaderStateError
+from dataset_rt.loader import check_int
+from dataset_rt.packing import START, Cursor, Steps, write_lengths
+from dataset_rt.program import Phase, WeightSource, check_phases
+from dataset_rt.reweights import Weights, row_weights
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import TOKEN_RANGES
 from dataset_rt.snapshot import snapshot
 
 if TYPE_CHECKING:
-    import numpy.typing as npt
+    pass
 
 __all__ = ["TokenLoader"]
 
 STATE_KIND = "tokens"
 STATE_FORMAT = 1
-_U32_MAX = 2**32 - 1
-
-Cursor = tuple[int, int, int]
-"""A token of an epoch's stream: ``(draw, offset in its document, token number)``."""
-
-_START: Cursor = (0, 0, 0)
-
-
-def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ArgumentError(f"{name} must be an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"at least {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ArgumentError(f"{name} must be {bound}, got {value}")
-    return value
 
 
 def _token_type(serializer: str) -> str:
@@ -102,6 +90,8 @@ class TokenLoader:
         PyTorch DataLoader worker processes, each packing every ``num_workers``-th step
         (needs PyTorch). Any count gives the same batches; packing is native, so one
         process is fast already.
+    history
+        Where :meth:`reweight` keeps its weight versions, as for :class:`~dataset_rt.Loader`.
     """
 
     def __init__(
@@ -122,16 +112,17 @@ class TokenLoader:
         verify: bool = False,
         schedule: Sequence[Phase] | None = None,
         num_workers: int = 0,
+        history: PathLike | None = None,
     ) -> None:
         from dataset_rt.loader import Loader
 
-        self._batch_size = _check_int("batch_size", batch_size, 1)
-        self._seq_len = _check_int("seq_len", seq_len, 1)
-        self._seed = _check_int("seed", seed, 0, 2**64 - 1)
+        self._batch_size = check_int("batch_size", batch_size, 1)
+        self._seq_len = check_int("seq_len", seq_len, 1)
+        self._seed = check_int("seed", seed, 0, 2**64 - 1)
         self._shuffle = bool(shuffle)
         self._targets = bool(targets)
         self._documents = bool(documents)
-        self._num_workers = _check_int("num_workers", num_workers, 0)
+        self._num_workers = check_int("num_workers", num_workers, 0)
         if self._num_workers > 0:
             try:
                 import torch  # noqa: F401
@@ -145,7 +136,7 @@ class TokenLoader:
                 raise ArgumentError(
                     "num_samples applies to shuffled loaders; shuffle=False reads every row once"
                 )
-            num_samples = _check_int("num_samples", num_samples, 1)
+            num_samples = check_int("num_samples", num_samples, 1)
         self._rank, self._world_size = Loader._resolve_ranks(rank, world_size)
         phases = None if schedule is None else check_phases(schedule)
         if phases is not None and not self._shuffle:
@@ -162,9 +153,9 @@ class TokenLoader:
                     "drt.cache(documents, name, serializer='tokens')"
                 )
         lengths = os.path.join(os.path.dirname(taken.plan), "lengths.bin")
-        _write_lengths(data, lengths)
+        write_lengths(data, lengths)
         if separator is not None:
-            separator = _check_int("separator", separator, -(2**63), 2**63 - 1)
+            separator = check_int("separator", separator, -(2**63), 2**63 - 1)
             for cache in taken.caches:
                 kind = _token_type(cache.serializer)
                 low, high = TOKEN_RANGES[kind]
@@ -176,7 +167,6 @@ class TokenLoader:
         self._separator = separator
         self._caches = taken.caches  # held for the loader's life, with their mappings
         self._plan = taken.plan
-        self._program = None if taken.program is None else taken.program.native
         self._lengths = lengths
         self._rows = taken.rows
         self._total = num_samples if num_samples is not None else taken.rows
@@ -196,21 +186,28 @@ class TokenLoader:
         if taken.program is not None:
             fingerprint += f"-{taken.program.fingerprint[:16]}"
         self._fingerprint = fingerprint
+        self._weights = Weights(
+            taken.program,
+            taken.plan,
+            taken.digest,
+            fingerprint,
+            Path(history) if history is not None else taken.caches[0].root / ".weights",
+        )
         self._verify = bool(verify)
         self._epoch = 0
-        self._head: Cursor = _START  # the first token of the epoch no rank has consumed
+        self._head: Cursor = START  # the first token of the epoch no rank has consumed
         self._ended = False
         self._origin = 0  # where step 0 of the current epoch starts, in tokens
         self._plan_samples: pl.DataFrame | None = None
 
     # -- the stream -----------------------------------------------------------------------------
-    def _steps(self, epoch: int) -> _Steps:
-        return _Steps(
+    def _steps(self, epoch: int) -> Steps:
+        return Steps(
             self._plan,
             tuple(str(c.path) for c in self._caches),
             tuple(c.cache_id for c in self._caches),
             self._lengths,
-            self._program,
+            self._weights.native,
             (self._seed, epoch, self._total, self._separator, self._verify),
             (self._rank, self._world_size, self._batch_size, self._seq_len),
             (self._targets, self._documents),
@@ -232,9 +229,9 @@ class TokenLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration reads; the current one keeps its position."""
-        epoch = _check_int("epoch", epoch, 0, 2**63 - 1)
+        epoch = check_int("epoch", epoch, 0, 2**63 - 1)
         if epoch != self._epoch or self._ended:
-            self._epoch, self._head, self._ended, self._origin = epoch, _START, False, 0
+            self._epoch, self._head, self._ended, self._origin = epoch, START, False, 0
 
     def __len__(self) -> int:
         """Steps in a whole epoch: the same on every rank, and in every epoch."""
@@ -243,11 +240,23 @@ class TokenLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._ended:
             # A finished epoch moves on to the next one, as the record loader does.
-            self._epoch, self._head, self._ended = self._epoch + 1, _START, False
+            self._epoch, self._head, self._ended = self._epoch + 1, START, False
             self._origin = 0
         return self._iterate()
 
     def _iterate(self) -> Iterator[dict[str, Any]]:
+        # A re-weight during iteration changes the documents from some draw on: the batches
+        # read ahead are dropped, and reading starts again from the token reached.
+        while not self._ended:
+            program = self._weights.native
+            for batch in self._read():
+                yield batch
+                if self._weights.native is not program:
+                    break
+            else:
+                return
+
+    def _read(self) -> Iterator[dict[str, Any]]:
         steps = self._steps(self._epoch)
         stream = steps.stream()
         step = self._step_tokens
@@ -271,6 +280,65 @@ class TokenLoader:
             close = getattr(batches, "close", None)
             if close is not None:
                 close()  # shuts the workers down when the consumer stops early
+
+    # -- weights from the training loop -----------------------------------------------------------
+    def reweight(
+        self, weights: WeightSource | pl.DataFrame | pl.LazyFrame, *, step: int | None = None
+    ) -> None:
+        """Draws documents by new weights from the next epoch on, or from ``step`` on.
+
+        As :meth:`dataset_rt.Loader.reweight`: one weight per row of the loader's frame, or
+        a frame of ``cache_id``, ``sample_id`` and ``weight``. With ``step``, the documents
+        that start at or after that step's first token (of this epoch, not yet consumed)
+        are drawn by the new weights; a document begun earlier is read to its end. The
+        history keeps every version, so a state saved at any point resumes the same tokens.
+
+        Raises
+        ------
+        WeightError, MetadataError
+            As for :meth:`dataset_rt.Loader.reweight`.
+        ArgumentError
+            ``step`` has been consumed already or is past the epoch, or the loader does not
+            shuffle.
+        """
+        if not self._shuffle:
+            raise ArgumentError(
+                "reweight applies to shuffled loaders; shuffle=False draws no weights"
+            )
+        start = self._reweight_start(step)
+        plan, ids = self._plan, [c.cache_id for c in self._caches]
+        self._weights.reweight(start, row_weights(weights, plan, ids, self._rows))
+
+    def _reweight_start(self, step: int | None) -> int:
+        """The global draw from which a re-weight at ``step`` takes effect."""
+        first = self._epoch * self._total
+        if step is None:
+            begun = self._ended or self._head != START
+            return first + (self._total if begun else 0)
+        step = check_int("step", step, 0)
+        token = self._origin + step * self._step_tokens
+        if token < self._head[2] or self._ended:
+            raise ArgumentError(
+                f"step {step} of epoch {self._epoch} has been consumed already (the loader "
+                f"is at token {self._head[2]}): re-weight at a later step, or at the next epoch"
+            )
+        if step >= len(self):
+            raise ArgumentError(
+                f"step {step} is past the end of the epoch ({len(self)} steps); leave step "
+                "out to re-weight from the next epoch"
+            )
+        draw, offset, _ = (
+            self._steps(self._epoch).stream().advance(self._head, token - self._head[2])
+        )
+        draw += offset > 0  # the first document that starts at or after the token
+        if draw >= self._total - 1:
+            # Draws from the epoch's last on count as its last for the program: they cannot
+            # take other weights than the ones before them.
+            raise ArgumentError(
+                f"step {step} lies in the epoch's last document draw; re-weight at an "
+                "earlier step, or at the next epoch"
+            )
+        return first + draw
 
     # -- what the model saw ---------------------------------------------------------------------
     def seen(
@@ -298,11 +366,11 @@ class TokenLoader:
         all_ranks
             Every rank's rows, not only this one's.
         """
-        epoch = self._epoch if epoch is None else _check_int("epoch", epoch, 0, 2**63 - 1)
+        epoch = self._epoch if epoch is None else check_int("epoch", epoch, 0, 2**63 - 1)
         if steps is None:
             steps = range(len(self))
         elif not isinstance(steps, range):
-            steps = range(_check_int("steps", steps, 0), steps + 1)
+            steps = range(check_int("steps", steps, 0), steps + 1)
         if steps.step != 1 or steps.start < 0:
             raise ArgumentError(f"steps must be a step or a range of steps, got {steps!r}")
         stream = self._steps(epoch).stream()
@@ -310,7 +378,7 @@ class TokenLoader:
         origin = self._origin if epoch == self._epoch else 0
         ranks = range(self._world_size) if all_ranks else range(self._rank, self._rank + 1)
         found: list[tuple[int, ...]] = []
-        cursor = stream.advance(_START, origin + steps.start * step)
+        cursor = stream.advance(START, origin + steps.start * step)
         for number in steps:
             for rank in ranks:
                 first = stream.advance(cursor, rank * rows * length)
@@ -359,7 +427,7 @@ class TokenLoader:
         stream from that token.
         """
         draw, offset, token = self._head
-        return {
+        state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "kind": STATE_KIND,
             "epoch": self._epoch,
@@ -372,6 +440,10 @@ class TokenLoader:
             "shuffle": self._shuffle,
             "plan": self._fingerprint,
         }
+        head = self._weights.durable_head()
+        if head is not None:
+            state["history"] = head  # the newest re-weight, on disk
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from a position saved by :meth:`state_dict`, in O(1).
@@ -400,14 +472,15 @@ class TokenLoader:
                     "it was saved by a loader over other rows, weights or settings"
                 )
         try:
-            epoch = _check_int("epoch", state["epoch"], 0, 2**63 - 1)
+            epoch = check_int("epoch", state["epoch"], 0, 2**63 - 1)
             head = (
-                _check_int("draw", state["draw"], 0, 2**63 - 1),
-                _check_int("offset", state["offset"], 0, 2**63 - 1),
-                _check_int("token", state["token"], 0, 2**63 - 1),
+                check_int("draw", state["draw"], 0, 2**63 - 1),
+                check_int("offset", state["offset"], 0, 2**63 - 1),
+                check_int("token", state["token"], 0, 2**63 - 1),
             )
         except (KeyError, ArgumentError) as exc:
             raise LoaderStateError(f"a damaged packed loader state: {exc}") from None
+        self._weights.restore(state.get("history"), self._rows)
         self._epoch, self._head, self._ended = epoch, head, bool(state.get("ended", False))
         # Steps count on from the loaded token, in this loader's step size.
         self._origin = head[2] % self._step_tokens
@@ -418,93 +491,3 @@ class TokenLoader:
             f"seq_len={self._seq_len}, epoch={self._epoch}, token={self._head[2]}, "
             f"rank={self._rank}/{self._world_size})"
         )
-
-
-def _write_lengths(data: pl.DataFrame, path: str) -> None:
-    """Writes the frame's ``length`` column to ``path`` as little-endian u32 values, checked."""
-    if "length" not in data.columns:
-        raise MetadataError(
-            "a packed loader (seq_len=) needs the frame's length column, each document's "
-            "token count: token caches write it; keep it in the frame"
-        )
-    column = data["length"]
-    if not column.dtype.is_integer():
-        raise MetadataError(f"the frame's length column must be integers, not {column.dtype}")
-    bad = data.with_row_index("row").filter(
-        pl.col("length").is_null() | (pl.col("length") < 1) | (pl.col("length") > _U32_MAX)
-    )
-    if bad.height:
-        row, value = bad["row"][0], bad["length"][0]
-        raise MetadataError(
-            f"row {row} of the frame has length {value}: a document holds 1 to {_U32_MAX} tokens"
-        )
-    column.cast(pl.UInt32).to_numpy().astype("<u4", copy=False).tofile(path)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Steps:
-    """What a process needs to pack a rank's steps of one epoch; pickles to worker processes."""
-
-    plan: str
-    cache_dirs: tuple[str, ...]
-    cache_ids: tuple[str, ...]
-    lengths: str
-    """The file of the documents' lengths, beside the plan."""
-    program: _native.Program | None
-    draws: tuple[int, int, int, int | None, bool]
-    """seed, epoch, documents per epoch, separator, verify."""
-    shape: tuple[int, int, int, int]
-    """rank, world size, rows per batch, seq_len."""
-    outputs: tuple[bool, bool]
-    """targets, documents."""
-
-    def stream(self) -> _native.TokenStream:
-        seed, epoch, total, separator, verify = self.draws
-        return _native.TokenStream(
-            self.plan,
-            list(self.cache_dirs),
-            list(self.cache_ids),
-            self.lengths,
-            seed=seed,
-            epoch=epoch,
-            total=total,
-            separator=separator,
-            verify=verify,
-            program=self.program,
-        )
-
-    def batches(
-        self, head: Cursor, last: int, worker: int = 0, workers: int = 1
-    ) -> Iterator[dict[str, Any]]:
-        """Steps ``worker``, ``worker + workers``, ... of those from ``head`` ending by ``last``."""
-        import numpy as np
-
-        rank, world_size, rows, length = self.shape
-        targets, documents = self.outputs
-        width = length + int(targets)
-        mine, step = rank * rows * length, world_size * rows * length
-        stream = self.stream()
-        number = 0
-        while head[2] + step <= last:
-            if number % workers == worker:
-                ids = np.empty((rows, width), dtype=np.int64)
-                docs = np.empty((rows, width), dtype=np.int32) if documents else None
-                stream.fill(stream.advance(head, mine), rows, length, ids, docs)
-                yield self._batch(ids, docs)
-            head = stream.advance(head, step)
-            number += 1
-
-    def _batch(self, ids: npt.NDArray[Any], docs: npt.NDArray[Any] | None) -> dict[str, Any]:
-        try:
-            import torch
-        except ImportError:
-            convert: Any = lambda a: a  # noqa: E731
-        else:
-            convert = torch.from_numpy
-        length = self.shape[3]
-        batch = {"input_ids": convert(ids[:, :length])}
-        if self.outputs[0]:
-            batch["labels"] = convert(ids[:, 1:])
-        if docs is not None:
-            batch["document_ids"] = convert(docs[:, :length])
-        return batch

@@ -95,6 +95,7 @@ PYTHON_LAYERS = [
         "reweights",
         "snapshot",
         "loader",
+        "packing",
         "streams",
         "summary",
         "namespace",

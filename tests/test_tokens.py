@@ -365,3 +365,47 @@ def test_parallel_builds_and_appends_write_the_same_token_records() -> None:
     grown = drt.append("tokens-one", documents(5, seed=9), progress=False)
     assert grown.metadata["length"].to_list()[-5:] == [len(d) for d in documents(5, seed=9)]
     np.testing.assert_array_equal(grown.get(202), documents(5, seed=9)[2])
+
+
+def test_reweighting_mid_epoch_changes_the_documents_from_that_step_and_resumes(
+    corpus: tuple[drt.Cache, list[np.ndarray]], tmp_path: Any
+) -> None:
+    cache, _ = corpus
+    frame = cache.metadata
+    code = (frame["source"] == "code").cast(pl.Float64)
+    sources = dict(frame.select("sample_id", "source").iter_rows())
+
+    def starts(batch: dict[str, Any]) -> list[str]:
+        """The sources of the documents that start in a batch (after a separator)."""
+        row = batch["input_ids"].numpy().reshape(-1)
+        return [sources[int(s)] for s in row[np.flatnonzero(row[:-1] == 60_000) + 1]]
+
+    options = {"seq_len": 32, "separator": 60_000, "seed": 6, "history": tmp_path}
+    loader = frame.drt.loader(4, **options)
+    batches = iter(loader)
+    before = [next(batches) for _ in range(3)]
+    loader.reweight(code, step=5)
+    with pytest.raises(ArgumentError, match="consumed already"):
+        loader.reweight(code, step=2)
+    after = [next(batches) for _ in range(6)]
+    assert "web" in {s for b in before for s in starts(b)}
+    assert set(starts(after[3])) | set(starts(after[4])) == {"code"}
+    state_at_4 = None
+    fresh = frame.drt.loader(4, **options)
+    it = iter(fresh)
+    for _ in range(4):
+        next(it)
+    fresh.reweight(code, step=5)
+    state_at_4 = fresh.state_dict()
+    assert "history" in state_at_4
+    resumed = frame.drt.loader(4, **options)
+    resumed.load_state_dict(state_at_4)
+    again = list(zip(range(5), resumed, strict=False))
+    for (_, a), b in zip(again, after[1:], strict=True):
+        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+    seen = resumed.seen(range(5, 7))
+    assert set(
+        seen.filter(pl.col("offset") == 0)["sample_id"].map_elements(
+            sources.get, return_dtype=pl.String
+        )
+    ) == {"code"}
