@@ -7,18 +7,25 @@ caches, lengths and program, the draws' seed and epoch, and the batch's shape.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import polars as pl
 
 from dataset_rt import _native
+from dataset_rt.caches import saved_plan
 from dataset_rt.errors import MetadataError
+from dataset_rt.program import Phase, scratch_dir
+from dataset_rt.roots import PathLike
+from dataset_rt.snapshot import Snapshot, snapshot
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-__all__ = ["START", "Cursor", "Steps", "write_lengths"]
+__all__ = ["START", "Cursor", "Steps", "take_frame", "write_lengths"]
 
 _U32_MAX = 2**32 - 1
 
@@ -117,3 +124,31 @@ def write_lengths(data: pl.DataFrame, path: str) -> None:
             f"row {row} of the frame has length {value}: a document holds 1 to {_U32_MAX} tokens"
         )
     column.cast(pl.UInt32).to_numpy().astype("<u4", copy=False).tofile(path)
+
+
+def take_frame(
+    owner: object,
+    frame: pl.DataFrame | pl.LazyFrame,
+    root: PathLike | None,
+    shuffle: bool,
+    phases: list[Phase] | None,
+    verify: bool,
+) -> tuple[Snapshot, pl.DataFrame, str]:
+    """A packed loader's snapshot, the frame's ``length`` column, and where its file goes.
+
+    Over an unchanged ``cache.scan()``, the plan saved with its version is mapped and only
+    the ``length`` column is read; otherwise the frame is snapshotted whole. The files live
+    as long as ``owner``.
+    """
+    saved = saved_plan(frame, verify) if shuffle and phases is None else None
+    if saved is not None:
+        cache, plan, digest, rows = saved
+        directory = scratch_dir("dataset_rt-tokens-")
+        weakref.finalize(owner, shutil.rmtree, directory, True)
+        lengths = cast(pl.LazyFrame, frame).select("length").collect()
+        return Snapshot([cache], plan, digest, rows, None), lengths, directory + "/lengths.bin"
+    data = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
+    if not isinstance(data, pl.DataFrame):
+        raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
+    taken = snapshot(owner, data, root, shuffle, phases)
+    return taken, data, os.path.join(os.path.dirname(taken.plan), "lengths.bin")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,12 +13,11 @@ import polars as pl
 from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, LoaderStateError
 from dataset_rt.loader import check_int
-from dataset_rt.packing import START, Cursor, Steps, write_lengths
+from dataset_rt.packing import START, Cursor, Steps, take_frame, write_lengths
 from dataset_rt.program import Phase, WeightSource, check_phases
 from dataset_rt.reweights import Weights, row_weights
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import TOKEN_RANGES
-from dataset_rt.snapshot import snapshot
 
 if TYPE_CHECKING:
     pass
@@ -141,10 +139,7 @@ class TokenLoader:
         phases = None if schedule is None else check_phases(schedule)
         if phases is not None and not self._shuffle:
             raise ArgumentError("schedule= sets the weights of draws; it needs shuffle=True")
-        data = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
-        if not isinstance(data, pl.DataFrame):
-            raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
-        taken = snapshot(self, data, root, self._shuffle, phases)
+        taken, data, lengths = take_frame(self, frame, root, self._shuffle, phases, bool(verify))
         for cache in taken.caches:
             if not cache.serializer.startswith("tokens"):
                 raise ArgumentError(
@@ -152,7 +147,6 @@ class TokenLoader:
                     "packed loader (seq_len=) reads token caches: "
                     "drt.cache(documents, name, serializer='tokens')"
                 )
-        lengths = os.path.join(os.path.dirname(taken.plan), "lengths.bin")
         write_lengths(data, lengths)
         if separator is not None:
             separator = check_int("separator", separator, -(2**63), 2**63 - 1)

@@ -409,3 +409,16 @@ def test_reweighting_mid_epoch_changes_the_documents_from_that_step_and_resumes(
             sources.get, return_dtype=pl.String
         )
     ) == {"code"}
+
+
+def test_a_loader_over_an_unchanged_scan_maps_the_saved_plan_and_packs_the_same(
+    corpus: tuple[drt.Cache, list[np.ndarray]],
+) -> None:
+    cache, _ = corpus
+    scanned = cache.scan().drt.loader(4, seq_len=16, seed=7)
+    read = cache.metadata.drt.loader(4, seq_len=16, seed=7)
+    assert scanned._plan.endswith(".plan")  # the version's own plan, not a copy
+    a, b = list(scanned), list(read)
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x["input_ids"], y["input_ids"])
