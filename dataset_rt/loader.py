@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
-import sys
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -16,8 +15,9 @@ import polars as pl
 from dataset_rt import _native
 from dataset_rt.caches import restore_saved_plan, saved_plan
 from dataset_rt.errors import ArgumentError, LoaderStateError
+from dataset_rt.options import check_draws, check_int, check_same, resolve_ranks
 from dataset_rt.pipeline import Collate, LoaderSpec, LoaderStats, Transform, assemble
-from dataset_rt.program import Phase, WeightSource, check_phases, seen_frame
+from dataset_rt.program import Phase, WeightSource, seen_frame
 from dataset_rt.reweights import Weights, row_weights
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
@@ -26,19 +26,9 @@ from dataset_rt.snapshot import decoder_of, remote_of, snapshot
 if TYPE_CHECKING:
     from dataset_rt.fetch import ShardPrefetch
 
-__all__ = ["Loader", "LoaderStats", "check_int", "loader_signature"]
+__all__ = ["Loader", "LoaderStats", "loader_signature"]
 
 STATE_FORMAT = 1
-
-
-def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    """``value`` if it is an int in ``[minimum, maximum]``; an ``ArgumentError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ArgumentError(f"{name} must be an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"at least {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ArgumentError(f"{name} must be {bound}, got {value}")
-    return value
 
 
 def _default_collate() -> Collate:
@@ -47,17 +37,6 @@ def _default_collate() -> Collate:
     except ImportError:  # no PyTorch (or no NumPy): batches are lists of records
         return list
     return default_collate
-
-
-def _distributed() -> tuple[int, int] | None:
-    # A process group can only be initialised once torch is imported: never import it here
-    # just to find out (that alone takes over a second).
-    dist = sys.modules.get("torch.distributed")
-    if dist is None:
-        return None
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return None
 
 
 class Loader:
@@ -149,24 +128,8 @@ class Loader:
         seed = check_int("seed", seed, 0, 2**64 - 1)
         self._shuffle = bool(shuffle)
         self._drop_last = bool(drop_last)
-        if num_samples is not None:
-            if not self._shuffle:
-                raise ArgumentError(
-                    "num_samples applies to shuffled loaders; shuffle=False reads every row once"
-                )
-            num_samples = check_int("num_samples", num_samples, 1)
-        self._rank, self._world_size = self._resolve_ranks(rank, world_size)
-        phases = None if schedule is None else check_phases(schedule)
-        if phases is not None and not self._shuffle:
-            raise ArgumentError("schedule= sets the weights of draws; it needs shuffle=True")
-        if self._num_workers > 0:
-            try:
-                import torch  # noqa: F401
-            except ImportError:
-                raise ArgumentError(
-                    "num_workers > 0 runs PyTorch DataLoader workers: pip install torch, "
-                    "or use num_workers=0"
-                ) from None
+        num_samples, phases = check_draws(self._shuffle, num_samples, schedule, self._num_workers)
+        self._rank, self._world_size = resolve_ranks(rank, world_size)
 
         saved = saved_plan(frame, bool(verify)) if self._shuffle and phases is None else None
         program = None
@@ -250,15 +213,6 @@ class Loader:
         """
         return dataclasses.replace(self._stats)
 
-    @staticmethod
-    def _resolve_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
-        if rank is None and world_size is None:
-            return _distributed() or (0, 1)
-        if rank is None or world_size is None:
-            raise ArgumentError("pass both rank and world_size, or neither")
-        world_size = check_int("world_size", world_size, 1)
-        return check_int("rank", rank, 0, world_size - 1), world_size
-
     def _shard_prefetch(self, schedule: _native.Schedule) -> ShardPrefetch | None:
         """Fetches the remote shards this epoch reads ahead of its batches; None if none is."""
         spec = self._spec
@@ -332,10 +286,7 @@ class Loader:
             "shuffle": self._shuffle,
             "plan": self._fingerprint,
         }
-        head = self._weights.durable_head()
-        if head is not None:
-            state["history"] = head  # the newest re-weight, on disk
-        return state
+        return self._weights.stamped(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from a position saved by :meth:`state_dict`, in O(1).
@@ -353,17 +304,15 @@ class Loader:
         """
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise LoaderStateError(f"not a dataset_rt loader state: {state!r}")
-        for key, mine in (
-            ("plan", self._fingerprint),
-            ("seed", self._spec.seed),
-            ("total", self._total),
-            ("shuffle", self._shuffle),
-        ):
-            if state.get(key) != mine:
-                raise LoaderStateError(
-                    f"the state's {key} is {state.get(key)!r} but this loader's is {mine!r}: "
-                    "it was saved by a loader over other rows, weights or settings"
-                )
+        check_same(
+            state,
+            {
+                "plan": self._fingerprint,
+                "seed": self._spec.seed,
+                "total": self._total,
+                "shuffle": self._shuffle,
+            },
+        )
         epoch = check_int("epoch", state["epoch"], 0, 2**63 - 1)
         cursor = check_int("position", state["position"], 0, self._total)
         if self._weights.restore(state.get("history"), self._rows):

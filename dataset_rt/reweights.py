@@ -227,6 +227,13 @@ class Weights:
         self.wait()
         return self.head
 
+    def stamped(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with the newest re-weight's id (``history``), once it is on disk."""
+        head = self.durable_head()
+        if head is not None:
+            state["history"] = head
+        return state
+
     def restore(self, head: object, rows: int) -> bool:
         """Brings back the re-weights up to entry ``head``; whether anything changed.
 

@@ -12,9 +12,9 @@ import polars as pl
 
 from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, LoaderStateError
-from dataset_rt.loader import check_int
+from dataset_rt.options import check_draws, check_int, check_same, resolve_ranks
 from dataset_rt.packing import START, Cursor, Steps, take_frame, write_lengths
-from dataset_rt.program import Phase, WeightSource, check_phases
+from dataset_rt.program import Phase, WeightSource
 from dataset_rt.reweights import Weights, row_weights
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import TOKEN_RANGES
@@ -112,7 +112,6 @@ class TokenLoader:
         num_workers: int = 0,
         history: PathLike | None = None,
     ) -> None:
-        from dataset_rt.loader import Loader
 
         self._batch_size = check_int("batch_size", batch_size, 1)
         self._seq_len = check_int("seq_len", seq_len, 1)
@@ -121,24 +120,8 @@ class TokenLoader:
         self._targets = bool(targets)
         self._documents = bool(documents)
         self._num_workers = check_int("num_workers", num_workers, 0)
-        if self._num_workers > 0:
-            try:
-                import torch  # noqa: F401
-            except ImportError:
-                raise ArgumentError(
-                    "num_workers > 0 runs PyTorch DataLoader workers: pip install torch, "
-                    "or use num_workers=0"
-                ) from None
-        if num_samples is not None:
-            if not self._shuffle:
-                raise ArgumentError(
-                    "num_samples applies to shuffled loaders; shuffle=False reads every row once"
-                )
-            num_samples = check_int("num_samples", num_samples, 1)
-        self._rank, self._world_size = Loader._resolve_ranks(rank, world_size)
-        phases = None if schedule is None else check_phases(schedule)
-        if phases is not None and not self._shuffle:
-            raise ArgumentError("schedule= sets the weights of draws; it needs shuffle=True")
+        num_samples, phases = check_draws(self._shuffle, num_samples, schedule, self._num_workers)
+        self._rank, self._world_size = resolve_ranks(rank, world_size)
         taken, data, lengths = take_frame(self, frame, root, self._shuffle, phases, bool(verify))
         for cache in taken.caches:
             if not cache.serializer.startswith("tokens"):
@@ -434,10 +417,7 @@ class TokenLoader:
             "shuffle": self._shuffle,
             "plan": self._fingerprint,
         }
-        head = self._weights.durable_head()
-        if head is not None:
-            state["history"] = head  # the newest re-weight, on disk
-        return state
+        return self._weights.stamped(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from a position saved by :meth:`state_dict`, in O(1).
@@ -454,17 +434,15 @@ class TokenLoader:
             or state.get("kind") != STATE_KIND
         ):
             raise LoaderStateError(f"not a dataset_rt packed loader state: {state!r}")
-        for key, mine in (
-            ("plan", self._fingerprint),
-            ("seed", self._seed),
-            ("total", self._total),
-            ("shuffle", self._shuffle),
-        ):
-            if state.get(key) != mine:
-                raise LoaderStateError(
-                    f"the state's {key} is {state.get(key)!r} but this loader's is {mine!r}: "
-                    "it was saved by a loader over other rows, weights or settings"
-                )
+        check_same(
+            state,
+            {
+                "plan": self._fingerprint,
+                "seed": self._seed,
+                "total": self._total,
+                "shuffle": self._shuffle,
+            },
+        )
         try:
             epoch = check_int("epoch", state["epoch"], 0, 2**63 - 1)
             head = (

@@ -88,6 +88,7 @@ PYTHON_LAYERS = [
     {"errors", "roots", "progress", "serialize", "metadata", "plugins", "processes", "objects"},
     {"registry", "verify", "fetch", "versions", "caches", "records", "build", "remote"},
     {
+        "options",
         "pipeline",
         "collate",
         "workers",

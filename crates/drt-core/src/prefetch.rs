@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use crate::error::{Error, Result};
 use crate::mapping::Span;
 use crate::plan::Plan;
-use crate::program::{draw_rows, row_at, Program, PREFETCH_AHEAD};
+use crate::program::{draw_each, row_at, Program, PREFETCH_AHEAD};
 use crate::reader::CacheReader;
 use crate::sampler::EpochRandom;
 use crate::schedule::Schedule;
@@ -415,12 +415,14 @@ impl Source {
         let mut batch = Batch::default();
         batch.number = number;
         let positions: Vec<u64> = self.schedule.batch_positions(number).collect();
-        let rows = draw_rows(
+        let mut rows = vec![0; positions.len()];
+        draw_each(
             &self.plan,
             self.program.as_deref(),
             self.random,
             (self.first_draw, self.schedule.total),
             &positions,
+            |i, (row, _)| rows[i] = row,
         );
         for i in 0..rows.len() {
             if let Some(&ahead) = rows.get(i + PREFETCH_AHEAD) {

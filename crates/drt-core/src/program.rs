@@ -250,23 +250,23 @@ pub fn row_at(
 /// of them are in flight than the processor would find on its own.
 pub const PREFETCH_AHEAD: usize = 16;
 
-/// The plan rows drawn at `positions` of an epoch whose first global draw and length are
-/// `(first, total)`, each draw's reads asked for [`PREFETCH_AHEAD`] draws before it.
-pub fn draw_rows(
+/// The draws at `positions` of an epoch whose first global draw and length are
+/// `(first, total)`: `put(i, (row, segment))` for each, in order, each draw's reads asked
+/// for [`PREFETCH_AHEAD`] draws before it.
+pub fn draw_each(
     plan: &Plan,
     program: Option<&Program>,
     random: EpochRandom,
     (first, total): (u64, u64),
     positions: &[u64],
-) -> Vec<u64> {
-    let mut rows = Vec::with_capacity(positions.len());
+    mut put: impl FnMut(usize, (u64, u32)),
+) {
     for (i, &position) in positions.iter().enumerate() {
         if let Some(&ahead) = positions.get(i + PREFETCH_AHEAD) {
             prefetch_row_at(plan, program, random, first, total, ahead);
         }
-        rows.push(row_at(plan, program, random, first, total, position).0);
+        put(i, row_at(plan, program, random, first, total, position));
     }
-    rows
 }
 
 /// Asks the processor to load what [`row_at`] reads for the same arguments.
@@ -327,12 +327,16 @@ pub fn draw_positions(
         for (i, position) in positions.iter_mut().enumerate() {
             *position = start + step * (offset + i) as u64;
         }
-        for i in 0..positions.len() {
-            if let Some(&ahead) = positions.get(i + PREFETCH_AHEAD) {
-                prefetch_row_at(plan, program, random, first, total, ahead);
-            }
-            (rows[i], segments[i]) = row_at(plan, program, random, first, total, positions[i]);
-        }
+        draw_each(
+            plan,
+            program,
+            random,
+            (first, total),
+            positions,
+            |i, drawn| {
+                (rows[i], segments[i]) = drawn;
+            },
+        );
         for i in 0..rows.len() {
             if let Some(&ahead) = rows.get(i + PREFETCH_AHEAD) {
                 plan.prefetch_sample(ahead);
