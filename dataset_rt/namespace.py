@@ -145,7 +145,7 @@ class _FrameMethods:
         token caches, it is a :class:`dataset_rt.TokenLoader` of packed token sequences
         instead (options ``shuffle``, ``seed``, ``num_samples``, ``separator``, ``targets``,
         ``documents``, ``rank``, ``world_size``, ``root``, ``verify``, ``schedule``,
-        ``num_workers``).
+        ``num_workers``, ``history``).
         """
         if "seq_len" in options:
             return TokenLoader(self._frame, batch_size, **options)
