@@ -70,8 +70,12 @@ class Steps:
 
     def batches(
         self, head: Cursor, last: int, worker: int = 0, workers: int = 1
-    ) -> Iterator[dict[str, Any]]:
-        """Steps ``worker``, ``worker + workers``, ... of those from ``head`` ending by ``last``."""
+    ) -> Iterator[tuple[Cursor, dict[str, Any]]]:
+        """Steps ``worker``, ``worker + workers``, ... of those from ``head`` ending by ``last``.
+
+        Each comes with the cursor of the token after its step (of every rank), where the
+        loader's position then is.
+        """
         import numpy as np
 
         rank, world_size, rows, length = self.shape
@@ -81,12 +85,13 @@ class Steps:
         stream = self.stream()
         number = 0
         while head[2] + step <= last:
+            after = stream.advance(head, step)
             if number % workers == worker:
                 ids = np.empty((rows, width), dtype=np.int64)
                 docs = np.empty((rows, width), dtype=np.int32) if documents else None
                 stream.fill(stream.advance(head, mine), rows, length, ids, docs)
-                yield self._batch(ids, docs)
-            head = stream.advance(head, step)
+                yield after, self._batch(ids, docs)
+            head = after
             number += 1
 
     def _batch(self, ids: npt.NDArray[Any], docs: npt.NDArray[Any] | None) -> dict[str, Any]:
@@ -146,7 +151,11 @@ def take_frame(
         directory = scratch_dir("dataset_rt-tokens-")
         weakref.finalize(owner, shutil.rmtree, directory, True)
         lengths = cast(pl.LazyFrame, frame).select("length").collect()
-        return Snapshot([cache], plan, digest, rows, None), lengths, directory + "/lengths.bin"
+        return (
+            Snapshot([cache], plan, digest, rows, None),
+            lengths,
+            os.path.join(directory, "lengths.bin"),
+        )
     data = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
     if not isinstance(data, pl.DataFrame):
         raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")

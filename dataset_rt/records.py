@@ -189,12 +189,14 @@ def write_records(
 
 def _with_length(values: Any, length: int, index: int) -> Any:
     """A token document's metadata: the user's, and its ``length`` in tokens."""
-    if not isinstance(values, Mapping) or values.get("length", length) == length:
-        return {**values, "length": length} if isinstance(values, Mapping) else values
-    raise MetadataError(
-        f"metadata() returned length {values['length']!r} for record {index}, which holds "
-        f"{length} tokens: a token cache fills in each document's length itself"
-    )
+    if not isinstance(values, Mapping):
+        return values  # the collector says what is wrong with it
+    if values.get("length", length) != length:
+        raise MetadataError(
+            f"metadata() returned length {values['length']!r} for record {index}, which holds "
+            f"{length} tokens: a token cache fills in each document's length itself"
+        )
+    return {**values, "length": length}
 
 
 @dataclass(frozen=True)

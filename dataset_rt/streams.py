@@ -235,7 +235,6 @@ class TokenLoader:
 
     def _read(self) -> Iterator[dict[str, Any]]:
         steps = self._steps(self._epoch)
-        stream = steps.stream()
         step = self._step_tokens
         last = self._epoch_tokens - self._extra  # a row and its target lie within the epoch
         if self._num_workers == 0:
@@ -246,8 +245,8 @@ class TokenLoader:
             produce = functools.partial(steps.batches, self._head, last)
             batches = run_workers(produce, self._num_workers, 2 * self._num_workers)
         try:
-            for batch in batches:
-                self._head = stream.advance(self._head, step)
+            for head, batch in batches:
+                self._head = head  # the token after the step, as the packer walked to it
                 # Known at the last step, not one call later: a loop that stops after len()
                 # steps (Lightning) then starts the next epoch with its next iter().
                 self._ended = self._head[2] + step > last

@@ -377,19 +377,24 @@ impl Source {
 
     /// The (cache, sample id) drawn at `position` of the epoch.
     fn draw(&self, position: u64) -> (u32, u64) {
-        let (row, _) = row_at(
+        self.plan.sample(self.row(position))
+    }
+
+    /// The plan row drawn at `position` of the epoch.
+    pub(crate) fn row(&self, position: u64) -> u64 {
+        row_at(
             &self.plan,
             self.program.as_deref(),
             self.random,
             self.first_draw,
             self.schedule.total,
             position,
-        );
-        self.plan.sample(row)
+        )
+        .0
     }
 
     /// The reader of cache `cache` of the plan.
-    fn reader(&self, cache: u32) -> Result<&CacheReader> {
+    pub(crate) fn reader(&self, cache: u32) -> Result<&CacheReader> {
         self.caches
             .get(cache as usize)
             .ok_or_else(|| Error::Internal(format!("cache code {cache} has no open cache")))
@@ -398,7 +403,13 @@ impl Source {
     /// Reads batch `number` of the schedule. A mapped file that shrank meanwhile (SIGBUS)
     /// is an error, and the caches stop serving reads.
     pub fn read(&self, number: u64) -> Result<Batch> {
-        let (result, faulted) = crate::sigbus::guarded(|| self.read_mapped(number));
+        self.guarded(|| self.read_mapped(number))
+    }
+
+    /// Runs `f`, which reads the caches' mapped files. A mapped file that shrank meanwhile
+    /// (SIGBUS) is an error, and the caches stop serving reads.
+    pub(crate) fn guarded<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let (result, faulted) = crate::sigbus::guarded(f);
         if faulted {
             for reader in self.caches.iter() {
                 reader.poison();

@@ -18,7 +18,6 @@ use memmap2::Mmap;
 
 use crate::error::{Error, IoContext, Result};
 use crate::prefetch::Source;
-use crate::program::row_at;
 
 /// The first bytes of a token record.
 pub const TOKEN_MAGIC: &[u8; 6] = b"DRTTOK";
@@ -180,22 +179,14 @@ impl TokenStream {
         u64::from(u32::from_le_bytes(bytes))
     }
 
-    /// The plan's row drawn at `draw`.
-    fn row(&self, draw: u64) -> u64 {
-        row_at(
-            &self.source.plan,
-            self.source.program.as_deref(),
-            self.source.random,
-            self.source.first_draw,
-            self.source.schedule.total,
-            draw,
-        )
-        .0
+    /// Tokens of the document of plan row `row`, its separator included.
+    fn tokens_of(&self, row: u64) -> u64 {
+        self.length(row) + u64::from(self.separator.is_some())
     }
 
     /// Tokens of the document drawn at `draw`, its separator included.
     fn tokens(&self, draw: u64) -> u64 {
-        self.length(self.row(draw)) + u64::from(self.separator.is_some())
+        self.tokens_of(self.source.row(draw))
     }
 
     /// Moves `cursor` `n` tokens forward, reading the documents' lengths only.
@@ -224,13 +215,14 @@ impl TokenStream {
             let mut cursor = first;
             let mut column = 0;
             while column < width {
-                let left = self.tokens(cursor.draw) - cursor.offset;
+                let plan_row = self.source.row(cursor.draw);
+                let left = self.tokens_of(plan_row) - cursor.offset;
                 let count = left.min(width - column);
                 out.push(Piece {
                     row: row as u32,
                     column,
                     draw: cursor.draw,
-                    plan_row: self.row(cursor.draw),
+                    plan_row,
                     offset: cursor.offset,
                     count,
                 });
@@ -244,8 +236,8 @@ impl TokenStream {
 
     /// Fills `rows` rows of `width` tokens, row `i` starting `i * stride` tokens after
     /// `start`: `ids[i * width + j]` is the token, `docs` (if given) the number of its
-    /// document within the row (0 for the document the row starts in). The stream must
-    /// A mapped file that shrank meanwhile is an error.
+    /// document within the row (0 for the document the row starts in). A mapped file that
+    /// shrank meanwhile is an error.
     pub fn fill(
         &self,
         start: Cursor,
@@ -261,7 +253,7 @@ impl TokenStream {
         if docs.as_ref().is_some_and(|d| d.len() != ids.len()) {
             crate::bail_arg!("the document ids need as many slots as the token ids");
         }
-        let (result, faulted) = crate::sigbus::guarded(|| {
+        self.source.guarded(|| {
             let mut cursor = start;
             for (i, row) in ids.chunks_exact_mut(width).enumerate() {
                 let row_docs = docs
@@ -271,17 +263,7 @@ impl TokenStream {
                 self.advance(&mut cursor, stride);
             }
             Ok(())
-        });
-        if faulted {
-            for reader in self.source.caches.iter() {
-                reader.poison();
-            }
-            return Err(self.source.caches.first().map_or_else(
-                || Error::Internal("a mapped file shrank, but the stream has no caches".into()),
-                crate::reader::CacheReader::shrank,
-            ));
-        }
-        result
+        })
     }
 
     fn fill_row(
@@ -293,12 +275,9 @@ impl TokenStream {
         let mut at = 0usize;
         let mut doc = 0i32;
         while at < out.len() {
-            let row = self.row(cursor.draw);
+            let row = self.source.row(cursor.draw);
             let (cache, sample_id) = self.source.plan.sample(row);
-            let reader =
-                self.source.caches.get(cache as usize).ok_or_else(|| {
-                    Error::Internal(format!("cache code {cache} has no open cache"))
-                })?;
+            let reader = self.source.reader(cache)?;
             let span = reader.span(sample_id, self.source.verify)?;
             let record = Ids::parse(span.bytes()).map_err(|msg| Error::Corrupt {
                 path: reader.dir().to_path_buf(),
@@ -333,7 +312,7 @@ impl TokenStream {
             doc += 1;
             cursor.offset += used;
             cursor.token += used;
-            if cursor.offset == self.tokens(cursor.draw) {
+            if cursor.offset == self.tokens_of(row) {
                 cursor.draw += 1;
                 cursor.offset = 0;
             }
