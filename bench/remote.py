@@ -11,7 +11,11 @@ small records with ``drt.cache(root="s3://...")``, and measures:
 - a weighted loader's first epoch (the index and every shard fetched on demand, shards
   ahead of the batches) and second epoch (read from the local copy), as draws/s against
   the same loader over the local cache, and the bytes fetched over both epochs against
-  those of the files the epochs read: each once.
+  those of the files the epochs read: each once;
+- the same first epoch with a transform that holds the GIL (pure-Python arithmetic per
+  record) against that loader on local disk: the native reader asks Python for each shard
+  it lacks (through ``LocalCopy.fetch``), so a training loop that keeps the GIL busy could
+  slow its fetches. The ratio beside the plain one says whether it does.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -75,8 +80,18 @@ def cache_shards(work: Path) -> int:
     return drt.open("local", root=work / "disk").num_shards
 
 
-def epoch_rate(frame: pl.DataFrame, draws: int, epoch: int) -> float:
-    loader = frame.drt.loader(batch_size=256, seed=0, num_samples=draws, collate=list)
+def busy(record: object) -> object:
+    """A transform that holds the GIL for a while per record (pure Python arithmetic)."""
+    total = 0
+    for i in range(400):
+        total += i * i
+    return record
+
+
+def epoch_rate(frame: pl.DataFrame, draws: int, epoch: int, transform: Any = None) -> float:
+    loader = frame.drt.loader(
+        batch_size=256, seed=0, num_samples=draws, collate=list, transform=transform
+    )
     loader.set_epoch(epoch)
     start = time.perf_counter()
     count = sum(len(batch) for batch in loader)
@@ -206,6 +221,18 @@ def main() -> None:
             f"{'bytes fetched on demand over two epochs':<44}{copy.fetched:>9,} B "
             f"(first epoch {after_first:,}): the shards read, {shards:,} B, and the index, "
             f"{others:,} B ({copy.fetched / max(shards + others, 1):.2f}x: each once)"
+        )
+
+        # The GIL question: a cold copy again, read by a loader whose transform keeps the
+        # GIL busy in this thread while the reader thread needs it to fetch shards.
+        cold = drt.open("remote", root=url, storage_options=options, local_dir=work / "node2")
+        cold_weighted = cold.metadata.with_columns(weight=pl.col("label").drt.balance())
+        busy_local = epoch_rate(local_weighted, args.draws, 0, busy)
+        busy_first = epoch_rate(cold_weighted, args.draws, 0, busy)
+        print(f"{'GIL-holding transform, local disk':<44}{busy_local:>9,.0f} draws/s (epoch 0)")
+        print(
+            f"{'GIL-holding transform, s3://, first epoch':<44}{busy_first:>9,.0f} draws/s  "
+            f"({busy_first / busy_local:.2f}x local; {first / baseline:.2f}x without it)"
         )
 
 

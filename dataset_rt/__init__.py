@@ -20,10 +20,12 @@ check_polars_version()
 
 from dataset_rt import errors, namespace  # noqa: E402
 from dataset_rt._native import __version__  # noqa: E402
-from dataset_rt.build import append, cache  # noqa: E402
-from dataset_rt.caches import Cache, list_caches, open  # noqa: E402
+from dataset_rt.appends import append  # noqa: E402
+from dataset_rt.build import cache  # noqa: E402
+from dataset_rt.caches import Cache, open  # noqa: E402
 from dataset_rt.loader import Loader  # noqa: E402
 from dataset_rt.program import Phase  # noqa: E402
+from dataset_rt.registry import list_caches  # noqa: E402
 from dataset_rt.roots import default_root  # noqa: E402
 from dataset_rt.streams import TokenLoader  # noqa: E402
 from dataset_rt.verify import Problem, VerifyReport, verify  # noqa: E402

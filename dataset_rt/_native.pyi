@@ -7,9 +7,12 @@ from typing import Any, final
 
 __all__ = [
     "FORMAT_VERSION",
+    "MANIFEST_FILE",
     "MIN_OUT_OF_BAND",
     "OOB_MAGIC",
+    "PARTS_DIR",
     "RECORD_ALIGN",
+    "SHARDS_DIR",
     "TOKEN_MAGIC",
     "AppendSession",
     "Batch",
@@ -33,6 +36,8 @@ __all__ = [
     "file_checksum",
     "metadata_file",
     "metadata_table_file",
+    "parse_manifest",
+    "part_dir",
     "plan_file",
     "plan_rows",
     "plan_samples",
@@ -47,6 +52,9 @@ __all__ = [
 
 __version__: str
 FORMAT_VERSION: int
+MANIFEST_FILE: str
+SHARDS_DIR: str
+PARTS_DIR: str
 OOB_MAGIC: bytes
 RECORD_ALIGN: int
 MIN_OUT_OF_BAND: int
@@ -56,8 +64,10 @@ def validate_name(name: str) -> None: ...
 def file_checksum(path: str | PathLike[str]) -> tuple[int, str]: ...
 def metadata_file(version: int) -> str: ...
 def plan_file(version: int) -> str: ...
-def plan_rows(path: str | PathLike[str]) -> tuple[int, int, bool]: ...
+def plan_rows(path: str | PathLike[str]) -> tuple[int, int, bool, int | None]: ...
 def read_manifest(path: str | PathLike[str]) -> Manifest: ...
+def parse_manifest(raw: bytes, origin: str) -> Manifest: ...
+def part_dir(number: int) -> str: ...
 def register_fetcher(path: str | PathLike[str], fetch: Callable[[str], object]) -> None: ...
 def unregister_fetcher(path: str | PathLike[str]) -> bool: ...
 def epoch_shards(
@@ -112,7 +122,6 @@ class TokenStream:
         plan_path: str | PathLike[str],
         cache_dirs: list[str],
         cache_ids: list[str],
-        lengths_path: str | PathLike[str],
         *,
         seed: int,
         epoch: int,

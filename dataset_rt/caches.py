@@ -15,12 +15,12 @@ from dataset_rt import _native, registry, roots
 from dataset_rt.errors import (
     ArgumentError,
     CacheCorruptError,
-    CacheNotFoundError,
     DatasetRTError,
     SampleIndexError,
     SerializationError,
 )
 from dataset_rt.progress import format_bytes
+from dataset_rt.registry import utc_time
 from dataset_rt.roots import PathLike, resolve_root, root_url
 from dataset_rt.serialize import Decoder, PickleDecoder, decoder_for
 from dataset_rt.verify import VerifyReport, verify
@@ -31,8 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Cache",
-    "list_caches",
-    "manifest_rows",
     "open",
     "open_by_id",
     "restore_saved_plan",
@@ -108,7 +106,7 @@ class Cache(MetadataVersions):
     @property
     def created_at(self) -> datetime:
         """When the cache was built (UTC)."""
-        return _utc(self._manifest.created_at)
+        return utc_time(self._manifest.created_at)
 
     @property
     def nbytes(self) -> int:
@@ -364,11 +362,6 @@ def restore_saved_plan(frame: object, plan: str) -> None:
         cache._restore_plan(version, plan)
 
 
-def _utc(stamp: str) -> datetime:
-    """Parses the manifest's RFC 3339 UTC time (``...Z``; Python 3.10 reads only ``+00:00``)."""
-    return datetime.fromisoformat(stamp.removesuffix("Z") + "+00:00")
-
-
 def _as_sample_id(sample_id: int) -> int:
     try:
         value = operator.index(sample_id)
@@ -457,63 +450,3 @@ def open_by_id(cache_id: str, root: PathLike | None = None) -> Cache:
     """
     reader, root_path = registry.locate(cache_id, root)
     return Cache(reader, root_path, registry.decoder_of(cache_id))
-
-
-def list_caches(
-    root: PathLike | None = None, *, storage_options: Mapping[str, Any] | None = None
-) -> pl.DataFrame:
-    """The caches under a root, one row each: name, cache_id, samples, bytes, created.
-
-    ``root`` may be an object-storage URL, read with ``storage_options`` (see :func:`open`).
-
-    Examples
-    --------
-    >>> import dataset_rt as drt
-    >>> drt.list_caches().columns
-    ['name', 'cache_id', 'samples', 'bytes', 'shards', 'serializer', 'created']
-    """
-    url = root_url(root)
-    if url is not None:
-        remote = []
-        from dataset_rt import objects
-
-        for name in objects.list_names(url, storage_options):
-            try:
-                remote.append(objects.read_manifest(objects.RemoteDir(url, name, storage_options)))
-            except (CacheNotFoundError, CacheCorruptError):
-                continue  # removed or replaced while listing
-        return manifest_rows(remote)
-    store = _native.Store(str(resolve_root(root)))
-    manifests = []
-    for name in store.names():
-        try:
-            manifests.append(store.manifest(name))
-        except CacheCorruptError:
-            continue
-    return manifest_rows(manifests)
-
-
-def manifest_rows(manifests: Iterable[_native.Manifest]) -> pl.DataFrame:
-    """The rows :func:`list_caches` shows for these manifests."""
-    rows = [
-        {
-            "name": m.name,
-            "cache_id": m.cache_id,
-            "samples": m.num_samples,
-            "bytes": m.nbytes,
-            "shards": m.num_shards,
-            "serializer": m.serializer,
-            "created": _utc(m.created_at),
-        }
-        for m in manifests
-    ]
-    schema: dict[str, pl.DataType] = {
-        "name": pl.String(),
-        "cache_id": pl.String(),
-        "samples": pl.Int64(),
-        "bytes": pl.Int64(),
-        "shards": pl.Int64(),
-        "serializer": pl.String(),
-        "created": pl.Datetime("us", "UTC"),
-    }
-    return pl.DataFrame(rows, schema=schema, orient="row")

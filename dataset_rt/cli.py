@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import polars as pl
 
-from dataset_rt.caches import describe_compression, list_caches, open
+from dataset_rt.caches import describe_compression, open
 from dataset_rt.errors import ArgumentError, DatasetRTError
 from dataset_rt.progress import format_bytes
+from dataset_rt.registry import list_caches
 from dataset_rt.roots import root_url
 from dataset_rt.serialize import describe_serializer
 

@@ -18,7 +18,6 @@ shards of every copy under the local directory are deleted once their total pass
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import fcntl
 import hashlib
@@ -27,13 +26,11 @@ import secrets
 import shutil
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from dataset_rt import _native
 from dataset_rt.errors import (
@@ -43,23 +40,17 @@ from dataset_rt.errors import (
     DatasetRTError,
     StaleCacheError,
 )
-from dataset_rt.objects import Cancelled, RemoteDir, StorageOptions, remote_manifest
-from dataset_rt.progress import BuildProgress
+from dataset_rt.objects import RemoteDir, StorageOptions, remote_manifest
+from dataset_rt.transfers import in_parallel
 
 __all__ = [
     "LocalCopy",
     "RemoteSource",
-    "ShardPrefetch",
     "copy_for",
     "evict",
-    "in_parallel",
     "on_demand",
     "sync",
 ]
-
-# Shard downloads in flight at once, per process: object stores serve requests in parallel,
-# and each waits on the network far more than on this machine (obstore releases the GIL).
-IN_FLIGHT = 8
 
 _PARTIAL = ".partial"  # downloads in progress: <host>-<pid>-<random>-<file>, never trusted
 _LOCKS = ".locks"
@@ -221,20 +212,20 @@ def sync(
         found = remote_manifest(remote)
         if found is None:
             raise CacheNotFoundError(
-                f"no cache {name!r} under {url} ({remote.where('manifest.json')})"
+                f"no cache {name!r} under {url} ({remote.where(_native.MANIFEST_FILE)})"
             )
-        raw, cache_id = found
+        raw, manifest = found
         source = RemoteSource(
             url.rstrip("/"),
             name,
-            cache_id,
+            manifest.cache_id,
             dict(storage_options) if storage_options else None,
             local,
             local_limit,
             hashlib.sha256(raw).hexdigest()[:16],
         )
         try:
-            _sync_files(remote, source, raw)
+            _sync_files(remote, source, raw, manifest)
             return source
         except (CacheCorruptError, CacheNotFoundError):
             now = remote_manifest(remote)
@@ -248,12 +239,14 @@ def sync(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _sync_files(remote: RemoteDir, source: RemoteSource, raw: bytes) -> None:
-    """Downloads what manifest ``raw`` names besides :func:`on_demand` files, then itself."""
+def _sync_files(
+    remote: RemoteDir, source: RemoteSource, raw: bytes, manifest: _native.Manifest
+) -> None:
+    """Downloads what ``manifest`` names besides :func:`on_demand` files, then its ``raw`` bytes."""
     source.root.mkdir(parents=True, exist_ok=True)
     (source.root / _MARK).touch()
     _remove_dead_partials(source.root)
-    manifest_path = source.path / "manifest.json"
+    manifest_path = source.path / _native.MANIFEST_FILE
     if _same_bytes(manifest_path, raw):
         return
     with _file_lock(source.root / _LOCKS / "manifest.lock"):
@@ -262,15 +255,14 @@ def _sync_files(remote: RemoteDir, source: RemoteSource, raw: bytes) -> None:
         staging = source.root / _PARTIAL / _partial_name("manifest")
         staging.mkdir(parents=True)
         try:
-            (staging / "manifest.json").write_bytes(raw)
-            manifest = _native.read_manifest(staging)
+            (staging / _native.MANIFEST_FILE).write_bytes(raw)
             later = on_demand(manifest)
             for file, checksum in manifest.files:
                 target = source.path / file
                 if file in later or (target.exists() and _matches(target, checksum)):
                     continue
                 _download_checked(remote, file, target, source.root / _PARTIAL, None, checksum)
-            os.replace(staging / "manifest.json", manifest_path)
+            os.replace(staging / _native.MANIFEST_FILE, manifest_path)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -380,7 +372,7 @@ class LocalCopy:
             found = remote_manifest(self.remote)
         except CacheCorruptError:
             return
-        cache_id = None if found is None else found[1]
+        cache_id = None if found is None else found[1].cache_id
         if cache_id != self.source.cache_id:
             now = "was deleted" if cache_id is None else f"was rebuilt (cache_id {cache_id})"
             raise StaleCacheError(
@@ -414,37 +406,6 @@ class LocalCopy:
             _pinned.difference_update(self.source.path / file for file in self.shards)
 
 
-T = TypeVar("T")
-
-
-def in_parallel(
-    items: Sequence[T], transfer: Callable[[T], int], label: str, progress: bool
-) -> None:
-    """Runs ``transfer(item)`` for every item, ``IN_FLIGHT`` at a time, with one progress line.
-
-    ``transfer`` returns the bytes it moved. The first failure cancels what has not started
-    and is raised.
-    """
-    moved = [0]
-    bar = BuildProgress(label, nbytes=lambda: moved[0], enabled=progress, total=len(items))
-    ok = False
-    try:
-        with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="drt-transfer") as pool:
-            pending = [pool.submit(transfer, item) for item in items]
-            try:
-                for count, future in enumerate(as_completed(pending), 1):
-                    moved[0] += future.result()
-                    bar.update(count)
-            except BaseException:
-                for future in pending:
-                    future.cancel()
-                raise
-        bar.settle(len(items))
-        ok = True
-    finally:
-        bar.close(ok=ok)
-
-
 _pinned: set[Path] = set()  # shards this process keeps from eviction (a verify's)
 
 
@@ -464,11 +425,11 @@ def _shard_files(local: Path) -> list[os.DirEntry[str]]:
             for cache in os.scandir(copy.path):
                 if cache.name.startswith(".") or not cache.is_dir(follow_symlinks=False):
                     continue
-                dirs = [os.path.join(cache.path, "shards")]
+                dirs = [os.path.join(cache.path, _native.SHARDS_DIR)]
                 with contextlib.suppress(FileNotFoundError):
                     dirs += [
-                        os.path.join(part.path, "shards")
-                        for part in os.scandir(os.path.join(cache.path, "parts"))
+                        os.path.join(part.path, _native.SHARDS_DIR)
+                        for part in os.scandir(os.path.join(cache.path, _native.PARTS_DIR))
                     ]
                 for shards in dirs:
                     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
@@ -503,84 +464,3 @@ def evict(local: Path, limit: int, keep: AbstractSet[Path] = frozenset()) -> int
             os.unlink(path)
             freed += size
     return freed
-
-
-@dataclass
-class ShardPrefetch:
-    """Fetches the shards a loader's epoch reads ahead of the batches that read them.
-
-    ``order`` lists ``(copy, file, batch)``: each shard once, in the order batches first
-    need it. Up to :data:`IN_FLIGHT` downloads run at once; with a ``local_limit``, the
-    shards fetched but not yet needed stay within half of it, so that eviction never
-    deletes what the next batches read.
-    """
-
-    order: list[tuple[LocalCopy, str, int]]
-    budget: int | None
-    position: int = 0
-    """Batches consumed so far; the loader moves it on."""
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _moved: threading.Condition = field(default_factory=threading.Condition)
-    _thread: threading.Thread | None = None
-    errors: list[Exception] = field(default_factory=list)
-    """What failed ahead of the reads; the reader fetched those shards itself."""
-
-    def start(self) -> ShardPrefetch:
-        """Starts fetching on a thread of its own; returns itself."""
-        self._thread = threading.Thread(target=self._run, name="drt-shard-prefetch", daemon=True)
-        self._thread.start()
-        return self
-
-    def advance(self, position: int) -> None:
-        """Records that ``position`` batches were consumed."""
-        with self._moved:
-            self.position = position
-            self._moved.notify_all()
-
-    def stop(self) -> None:
-        """Stops fetching; downloads already running finish."""
-        self._stop.set()
-        with self._moved:
-            self._moved.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _run(self) -> None:
-        batches = [batch for _, _, batch in self.order]  # non-decreasing
-        ends = [0]  # ends[i]: bytes of the first i shards of the order
-        for copy, file, _ in self.order:
-            ends.append(ends[-1] + copy.shards[file][0])
-        running: list[Future[None]] = []
-        with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="drt-fetch") as pool:
-            for i, (copy, file, _) in enumerate(self.order):
-                with self._moved:
-                    while not self._stop.is_set() and not self._may_fetch(i, batches, ends):
-                        self._moved.wait(0.5)
-                while len(running) >= IN_FLIGHT and not self._stop.is_set():
-                    futures.wait(running, return_when=futures.FIRST_COMPLETED)
-                    running = [f for f in running if not f.done()]
-                if self._stop.is_set():
-                    break
-                if not copy.present(file):
-                    running.append(pool.submit(self._fetch, copy, file))
-            # Running downloads see the stop flag between chunks; waiting ones never start.
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def _fetch(self, copy: LocalCopy, file: str) -> None:
-        try:
-            copy.fetch(file, self._stop)
-        except Cancelled:
-            pass
-        except Exception as exc:  # the reader fetches the shard again, and raises
-            self.errors.append(exc)
-
-    def _may_fetch(self, i: int, batches: list[int], ends: list[int]) -> bool:
-        """Whether shard ``i`` of the order may be fetched now.
-
-        It may if a consumed batch needs it, or if it fits in the budget with the shards
-        before it that unconsumed batches need.
-        """
-        if self.budget is None or batches[i] <= self.position:
-            return True
-        first_ahead = bisect.bisect_right(batches, self.position)
-        return ends[i + 1] - ends[first_ahead] <= self.budget

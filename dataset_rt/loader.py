@@ -8,12 +8,11 @@ import inspect
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt.caches import restore_saved_plan, saved_plan
 from dataset_rt.errors import ArgumentError, LoaderStateError
 from dataset_rt.options import check_draws, check_int, check_same, resolve_ranks
 from dataset_rt.pipeline import Collate, LoaderSpec, LoaderStats, Transform, assemble
@@ -21,10 +20,7 @@ from dataset_rt.program import Phase, WeightSource, seen_frame
 from dataset_rt.reweights import Weights, row_weights
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import Decoder, PickleDecoder
-from dataset_rt.snapshot import decoder_of, remote_of, snapshot
-
-if TYPE_CHECKING:
-    from dataset_rt.fetch import ShardPrefetch
+from dataset_rt.snapshot import decoder_of, remote_of, take
 
 __all__ = ["Loader", "LoaderStats", "loader_signature"]
 
@@ -131,17 +127,9 @@ class Loader:
         num_samples, phases = check_draws(self._shuffle, num_samples, schedule, self._num_workers)
         self._rank, self._world_size = resolve_ranks(rank, world_size)
 
-        saved = saved_plan(frame, bool(verify)) if self._shuffle and phases is None else None
-        program = None
-        if saved is not None:
-            # An unchanged cache.scan(): its version's plan was written when it was saved.
-            caches, (plan, digest, self._rows) = [saved[0]], saved[1:]
-        else:
-            taken = snapshot(self, frame, root, self._shuffle, phases)
-            caches, plan, digest, program = taken.caches, taken.plan, taken.digest, taken.program
-            self._rows = taken.rows
-            if self._shuffle and phases is None:
-                restore_saved_plan(frame, plan)  # a scan whose saved plan was lost or damaged
+        taken = take(self, frame, root, self._shuffle, phases, bool(verify))
+        caches, plan, digest, program = taken.caches, taken.plan, taken.digest, taken.program
+        self._rows = taken.rows
         # Held for the loader's life: each epoch's native reader shares their mappings of
         # the shards, so pages mapped in one epoch stay mapped for the next.
         self._caches = caches
@@ -212,28 +200,6 @@ class Loader:
         100
         """
         return dataclasses.replace(self._stats)
-
-    def _shard_prefetch(self, schedule: _native.Schedule) -> ShardPrefetch | None:
-        """Fetches the remote shards this epoch reads ahead of its batches; None if none is."""
-        spec = self._spec
-        if not any(spec.remotes):
-            return None
-        from dataset_rt import fetch
-
-        copies = [None if r is None else r.attach() for r in spec.remotes]
-        order = _native.epoch_shards(
-            spec.plan,
-            list(spec.cache_dirs),
-            list(spec.cache_ids),
-            schedule,
-            seed=spec.seed,
-            epoch=self._epoch,
-            program=spec.program,
-        )
-        fetched = [(copies[code], file, batch) for code, file, batch in order if copies[code]]
-        limits = [r.local_limit for r in spec.remotes if r is not None and r.local_limit]
-        budget = min(limits) // 2 if limits else None
-        return fetch.ShardPrefetch(fetched, budget).start()  # type: ignore[arg-type]
 
     # -- epochs and state ---------------------------------------------------------------------
     @property
@@ -453,12 +419,13 @@ class Loader:
         if self._num_workers == 0:
             batches: Iterator[Any] = self._local(schedule)
         else:
-            from dataset_rt.workers import worker_batches
+            from dataset_rt.workers import counted, worker_batches
 
-            batches = self._timed_workers(
+            batches = counted(
                 worker_batches(
                     self._packed, schedule, self._epoch, self._num_workers, self._spec.depth
-                )
+                ),
+                self._stats,
             )
         return self._counted(schedule, batches)
 
@@ -476,36 +443,8 @@ class Loader:
             stats.queue_depth_sum += ready
             stats.empty_queue += int(ready == 0)
             out = assemble(batch, spec, times)
-            self._count(len(batch), batch.nbytes, times)
+            stats.add(len(batch), batch.nbytes, times)
             yield out
-
-    def _timed_workers(self, batches: Iterator[tuple[Any, int, int, list[float]]]) -> Iterator[Any]:
-        """Unpacks the workers' (batch, samples, bytes, stage times) and counts them."""
-        stats = self._stats
-        try:
-            while True:
-                start = time.perf_counter()
-                item = next(batches, None)
-                stats.wait_seconds += time.perf_counter() - start
-                if item is None:
-                    return
-                out, samples, nbytes, times = item
-                self._count(samples, nbytes, times)
-                yield out
-        finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()  # shuts the workers down when the consumer stops early
-
-    def _count(self, samples: int, nbytes: int, times: list[float]) -> None:
-        stats = self._stats
-        stats.batches += 1
-        stats.samples += samples
-        stats.bytes_read += nbytes
-        stats.decode_seconds += times[0]
-        stats.transform_seconds += times[1]
-        stats.collate_seconds += times[2]
-        times[0] = times[1] = times[2] = 0.0
 
     def _counted(
         self, schedule: _native.Schedule, batches: Iterator[Any]
@@ -513,7 +452,7 @@ class Loader:
         consumed = 0
         shards = None
         try:
-            shards = self._shard_prefetch(schedule)
+            shards = self._spec.shard_prefetch(schedule, self._epoch)
             for batch in batches:
                 consumed += 1
                 self._cursor = schedule.cursor_after(consumed)

@@ -318,6 +318,36 @@ def check_weights(weight: pl.Series, ids: pl.Series, *, allow_empty: bool = Fals
     return weight
 
 
+_U32_MAX = 2**32 - 1
+
+
+def token_lengths(frame: pl.DataFrame) -> pl.Series:
+    """The frame's ``length`` column (token documents' ids each), checked, as UInt32.
+
+    Raises
+    ------
+    MetadataError
+        The column is missing or not integers, or a length is null or outside 1 to 2³² - 1.
+        Errors name the row.
+    """
+    if "length" not in frame.columns:
+        raise MetadataError(
+            "a packed loader (seq_len=) needs the frame's length column, each document's "
+            "token count: token caches write it; keep it in the frame"
+        )
+    column = frame["length"]
+    if not column.dtype.is_integer():
+        raise MetadataError(f"the frame's length column must be integers, not {column.dtype}")
+    bad = column.is_null() | (column < 1) | (column > _U32_MAX)
+    if bad.any():
+        row = int(bad.arg_max())  # type: ignore[arg-type]
+        raise MetadataError(
+            f"row {row} of the frame has length {column[row]}: a document holds 1 to "
+            f"{_U32_MAX} tokens"
+        )
+    return column.cast(pl.UInt32)
+
+
 # Polars 2 runs Python scan sources in every engine; Polars 1.25's streaming engine cannot.
 _DEFERRED = POLARS_2
 

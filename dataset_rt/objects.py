@@ -11,9 +11,7 @@ the object.
 
 from __future__ import annotations
 
-import json
 import re
-import tempfile
 import threading
 from collections.abc import Mapping
 from datetime import timedelta
@@ -24,7 +22,6 @@ from urllib.parse import urlparse
 from dataset_rt import _native
 from dataset_rt.errors import (
     ArgumentError,
-    CacheCorruptError,
     CacheIOError,
     CacheNotFoundError,
     DatasetRTError,
@@ -229,32 +226,27 @@ def list_names(url: str, options: StorageOptions) -> list[str]:
     except Exception as exc:
         raise where.error("", exc) from exc
     names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listed["common_prefixes"])
-    return [n for n in names if not n.startswith(".") and where.exists(f"{n}/manifest.json")]
+    return [
+        n for n in names if not n.startswith(".") and where.exists(f"{n}/{_native.MANIFEST_FILE}")
+    ]
 
 
-def remote_manifest(remote: RemoteDir) -> tuple[bytes, str] | None:
-    """The manifest of the cache in ``remote`` as stored, and its ``cache_id``; None if none.
+def remote_manifest(remote: RemoteDir) -> tuple[bytes, _native.Manifest] | None:
+    """The manifest of the cache in ``remote``: as stored, and as the engine reads it.
+
+    None if there is none.
 
     Raises
     ------
     CacheCorruptError
-        The object is not a manifest.
+        The object is not a manifest this dataset_rt reads (:class:`CacheVersionError`:
+        one of a newer format).
     """
     try:
-        raw = remote.get("manifest.json")
+        raw = remote.get(_native.MANIFEST_FILE)
     except CacheNotFoundError:
         return None
-    try:
-        cache_id = json.loads(raw)["cache_id"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CacheCorruptError(
-            f"{remote.where('manifest.json')}: not a manifest ({exc})"
-        ) from None
-    if not isinstance(cache_id, str) or not re.fullmatch(r"[0-9a-zA-Z_-]{1,64}", cache_id):
-        raise CacheCorruptError(
-            f"{remote.where('manifest.json')}: cache_id {cache_id!r} is not a build id"
-        )
-    return raw, cache_id
+    return raw, _native.parse_manifest(raw, remote.where(_native.MANIFEST_FILE))
 
 
 def read_manifest(remote: RemoteDir) -> _native.Manifest:
@@ -269,7 +261,5 @@ def read_manifest(remote: RemoteDir) -> _native.Manifest:
     """
     found = remote_manifest(remote)
     if found is None:
-        raise CacheNotFoundError(f"no object at {remote.where('manifest.json')}")
-    with tempfile.TemporaryDirectory(prefix="dataset_rt-manifest-") as scratch:
-        (Path(scratch) / "manifest.json").write_bytes(found[0])
-        return _native.read_manifest(scratch)
+        raise CacheNotFoundError(f"no object at {remote.where(_native.MANIFEST_FILE)}")
+    return found[1]

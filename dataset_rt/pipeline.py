@@ -10,11 +10,14 @@ import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataset_rt import _native
 from dataset_rt.errors import CacheCorruptError, SerializationError, TransformError
 from dataset_rt.serialize import Decoder
+
+if TYPE_CHECKING:
+    from dataset_rt.transfers import ShardPrefetch
 
 __all__ = ["Collate", "LoaderSpec", "LoaderStats", "Transform", "assemble", "decode_batch"]
 
@@ -71,6 +74,30 @@ class LoaderSpec:
             program=self.program,
         )
 
+    def shard_prefetch(self, schedule: _native.Schedule, epoch: int) -> ShardPrefetch | None:
+        """Starts fetching the remote shards ``epoch`` reads ahead of its batches; None if none.
+
+        With a ``local_limit``, the shards fetched ahead stay within half of the smallest.
+        """
+        if not any(self.remotes):
+            return None
+        from dataset_rt.transfers import ShardPrefetch
+
+        copies = [None if r is None else r.attach() for r in self.remotes]
+        order = _native.epoch_shards(
+            self.plan,
+            list(self.cache_dirs),
+            list(self.cache_ids),
+            schedule,
+            seed=self.seed,
+            epoch=epoch,
+            program=self.program,
+        )
+        fetched = [(copy, file, batch) for code, file, batch in order if (copy := copies[code])]
+        limits = [r.local_limit for r in self.remotes if r is not None and r.local_limit]
+        budget = min(limits) // 2 if limits else None
+        return ShardPrefetch(fetched, budget).start()
+
 
 @dataclass
 class LoaderStats:
@@ -102,6 +129,19 @@ class LoaderStats:
     queue_depth_sum: int = 0
     """Sum over batches of the batches ready in the reader's queue when one was taken
     (without workers); ``queue_depth_sum / batches`` is the mean queue depth."""
+
+    def add(self, samples: int, nbytes: int, times: list[float]) -> None:
+        """Counts a batch of ``samples`` records of ``nbytes`` whose stages took ``times``.
+
+        ``times`` holds the decode, transform and collate seconds, and is zeroed.
+        """
+        self.batches += 1
+        self.samples += samples
+        self.bytes_read += nbytes
+        self.decode_seconds += times[0]
+        self.transform_seconds += times[1]
+        self.collate_seconds += times[2]
+        times[0] = times[1] = times[2] = 0.0
 
     @property
     def mean_queue_depth(self) -> float:

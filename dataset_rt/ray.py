@@ -23,7 +23,6 @@ from dataset_rt import _native, registry
 from dataset_rt.build import (
     DEFAULT_ALIGNMENT,
     DEFAULT_SHARD_SIZE,
-    PARTS_DIR,
     Compression,
     _try_open,
     check_name,
@@ -35,7 +34,7 @@ from dataset_rt.metadata import MetadataCollector
 from dataset_rt.records import BuildOptions, write_records
 from dataset_rt.roots import PathLike, resolve_root
 from dataset_rt.serialize import resolve_serializer
-from dataset_rt.versions import write_version_plan
+from dataset_rt.versions import write_version
 
 try:
     import ray
@@ -217,7 +216,7 @@ class _CacheDatasink(Datasink[_TaskResult]):
     def write(self, blocks: Iterable[Any], ctx: TaskContext) -> _TaskResult:
         # A directory of this attempt's own: a retried task never writes into what a failed
         # attempt left, which completion removes.
-        relative = f"{PARTS_DIR}/.ray-{ctx.task_idx:05d}-{secrets.token_hex(4)}"
+        relative = f"{_native.PARTS_DIR}/.ray-{ctx.task_idx:05d}-{secrets.token_hex(4)}"
         ser_name, dumps = resolve_serializer("pickle")
         writer = _native.PartWriter(self.build_dir, relative, *self.layout)
         collector = MetadataCollector()
@@ -240,19 +239,18 @@ class _CacheDatasink(Datasink[_TaskResult]):
         for _, staged, part, count, part_metadata in results:
             if count == 0:
                 continue
-            final = f"{PARTS_DIR}/{len(parts) + 1:05d}"
+            final = _native.part_dir(len(parts) + 1)
             (build_dir / staged).rename(build_dir / final)
             parts.append(_native.relocate_part(part, staged, final))
             kept.add(final)
             collector.merge(part_metadata, first)
             first += count
         # What failed attempts and empty tasks wrote goes before the cache is published.
-        for leftover in (build_dir / PARTS_DIR).glob("*"):
-            if f"{PARTS_DIR}/{leftover.name}" not in kept:
+        for leftover in (build_dir / _native.PARTS_DIR).glob("*"):
+            if f"{_native.PARTS_DIR}/{leftover.name}" not in kept:
                 shutil.rmtree(leftover)
         frame = collector.frame(builder.cache_id, first)
-        frame.write_parquet(builder.metadata_path)
-        write_version_plan(builder.plan_path, frame)
+        write_version(builder.metadata_path, builder.plan_path, frame, "pickle")
         builder.finish("pickle", parts)
         self.committed = True
 

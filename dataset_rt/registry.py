@@ -5,16 +5,19 @@ Every cache opened or built in this process is opened through :func:`open_reader
 remembers it by id; other ids are looked up among the caches under the given root, the
 roots seen so far and the default root. This table is one of the package's two pieces of
 process-wide state, with :mod:`dataset_rt.fetch`'s local copies (the engine's are its shard
-mappings, its SIGBUS guard and its fetchers).
+mappings, its SIGBUS guard and its fetchers). :func:`list_caches` lists a root's caches.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import polars as pl
 
 from dataset_rt import _native
 from dataset_rt.errors import CacheCorruptError, CacheNotFoundError
@@ -23,11 +26,13 @@ from dataset_rt.roots import PathLike, default_root, resolve_root, root_url
 __all__ = [
     "decoder_of",
     "forget_root",
+    "list_caches",
     "locate",
     "open_reader",
     "remember_decoder",
     "remember_version",
     "saved_version",
+    "utc_time",
 ]
 
 # Reentrant: a frame's weakref callback may run (and take it) during a collection that
@@ -152,3 +157,68 @@ def saved_version(frame: Any) -> tuple[Any, int] | None:
     if entry is None or entry[0]() is not frame:
         return None
     return entry[1], entry[2]
+
+
+def utc_time(stamp: str) -> datetime:
+    """Parses the manifest's RFC 3339 UTC time (``...Z``; Python 3.10 reads only ``+00:00``)."""
+    return datetime.fromisoformat(stamp.removesuffix("Z") + "+00:00")
+
+
+def list_caches(
+    root: PathLike | None = None, *, storage_options: Mapping[str, Any] | None = None
+) -> pl.DataFrame:
+    """The caches under a root, one row each: name, cache_id, samples, bytes, created.
+
+    ``root`` may be an object-storage URL, read with ``storage_options`` (see :func:`open`).
+
+    Examples
+    --------
+    >>> import dataset_rt as drt
+    >>> drt.list_caches().columns
+    ['name', 'cache_id', 'samples', 'bytes', 'shards', 'serializer', 'created']
+    """
+    url = root_url(root)
+    if url is not None:
+        remote = []
+        from dataset_rt import objects
+
+        for name in objects.list_names(url, storage_options):
+            try:
+                remote.append(objects.read_manifest(objects.RemoteDir(url, name, storage_options)))
+            except (CacheNotFoundError, CacheCorruptError):
+                continue  # removed or replaced while listing
+        return manifest_rows(remote)
+    store = _native.Store(str(resolve_root(root)))
+    manifests = []
+    for name in store.names():
+        try:
+            manifests.append(store.manifest(name))
+        except CacheCorruptError:
+            continue
+    return manifest_rows(manifests)
+
+
+def manifest_rows(manifests: Iterable[_native.Manifest]) -> pl.DataFrame:
+    """The rows :func:`list_caches` shows for these manifests."""
+    rows = [
+        {
+            "name": m.name,
+            "cache_id": m.cache_id,
+            "samples": m.num_samples,
+            "bytes": m.nbytes,
+            "shards": m.num_shards,
+            "serializer": m.serializer,
+            "created": utc_time(m.created_at),
+        }
+        for m in manifests
+    ]
+    schema: dict[str, pl.DataType] = {
+        "name": pl.String(),
+        "cache_id": pl.String(),
+        "samples": pl.Int64(),
+        "bytes": pl.Int64(),
+        "shards": pl.Int64(),
+        "serializer": pl.String(),
+        "created": pl.Datetime("us", "UTC"),
+    }
+    return pl.DataFrame(rows, schema=schema, orient="row")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dataset_rt import _native, fetch, registry
+from dataset_rt import _native, registry
 from dataset_rt.caches import Cache
 from dataset_rt.errors import (
     ArgumentError,
@@ -30,6 +30,7 @@ from dataset_rt.errors import (
 )
 from dataset_rt.objects import RemoteDir, StorageOptions, remote_manifest
 from dataset_rt.roots import PathLike, is_url, resolve_root
+from dataset_rt.transfers import in_parallel
 
 __all__ = ["is_url", "pull", "push"]
 
@@ -70,7 +71,7 @@ def push(
     manifest = store.manifest(name)
     remote = RemoteDir(url, name, storage_options)
     existing = remote_manifest(remote)
-    remote_id = None if existing is None else existing[1]
+    remote_id = None if existing is None else existing[1].cache_id
     if existing is not None and remote_id != manifest.cache_id:
         if not overwrite:
             raise ArgumentError(
@@ -78,7 +79,7 @@ def push(
                 f"{remote_id}, this one {manifest.cache_id}); push under another "
                 "name, or pass overwrite=True to replace it"
             )
-        remote.delete("manifest.json")
+        remote.delete(_native.MANIFEST_FILE)
     local = root_path / name
 
     def upload(entry: tuple[str, str | None]) -> int:
@@ -87,11 +88,11 @@ def push(
         remote.upload(file, local / file)
         return (local / file).stat().st_size
 
-    fetch.in_parallel(manifest.files, upload, f"push {name}", progress)
-    remote.upload("manifest.json", local / "manifest.json")
+    in_parallel(manifest.files, upload, f"push {name}", progress)
+    remote.upload(_native.MANIFEST_FILE, local / _native.MANIFEST_FILE)
     if existing is not None and remote_id != manifest.cache_id:
         # What the replaced build had and this one has not (shards past its last, say).
-        kept = {file for file, _ in manifest.files} | {"manifest.json"}
+        kept = {file for file, _ in manifest.files} | {_native.MANIFEST_FILE}
         for path in remote.paths():
             if path not in kept:
                 remote.delete(path)
@@ -142,8 +143,11 @@ def pull(
     remote = RemoteDir(url, name, storage_options)
     found = remote_manifest(remote)
     if found is None:
-        raise CacheNotFoundError(f"no cache {name!r} under {url} ({remote.where('manifest.json')})")
-    raw, remote_id = found
+        raise CacheNotFoundError(
+            f"no cache {name!r} under {url} ({remote.where(_native.MANIFEST_FILE)})"
+        )
+    raw, remote_manifest_ = found
+    remote_id = remote_manifest_.cache_id
     store = _native.Store(str(root_path))
     with store.lock(name) as lock:
         if store.exists(name):
@@ -159,13 +163,13 @@ def pull(
         copy = Path(store.begin_copy(lock))
         ok = False
         try:
-            (copy / "manifest.json").write_bytes(raw)  # byte for byte, as pushed
-            files = [file for file, _ in _native.read_manifest(copy).files]
+            (copy / _native.MANIFEST_FILE).write_bytes(raw)  # byte for byte, as pushed
+            files = [file for file, _ in remote_manifest_.files]
 
             def download(file: str) -> int:
                 return remote.download(file, copy / file)
 
-            fetch.in_parallel(files, download, f"pull {name}", progress)
+            in_parallel(files, download, f"pull {name}", progress)
             store.publish_copy(lock, copy)
             ok = True
         finally:

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, cast
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt.caches import Cache, open_by_id
-from dataset_rt.errors import MetadataError, SerializationError
-from dataset_rt.metadata import check_weights, link_columns
+from dataset_rt.caches import Cache, open_by_id, restore_saved_plan, saved_plan
+from dataset_rt.errors import ArgumentError, MetadataError, SerializationError
+from dataset_rt.metadata import check_weights, link_columns, token_lengths
 from dataset_rt.program import (
     Phase,
     Program,
@@ -34,7 +34,7 @@ from dataset_rt.versions import local_copy
 if TYPE_CHECKING:
     from dataset_rt.fetch import RemoteSource
 
-__all__ = ["Snapshot", "decoder_of", "remote_of", "snapshot"]
+__all__ = ["Snapshot", "decoder_of", "remote_of", "snapshot", "take"]
 
 
 @dataclass(frozen=True)
@@ -50,21 +50,61 @@ class Snapshot:
     """The schedule's program; None without a schedule."""
 
 
+def take(
+    owner: object,
+    frame: pl.DataFrame | pl.LazyFrame,
+    root: PathLike | None,
+    shuffle: bool,
+    phases: list[Phase] | None,
+    verify: bool,
+    lengths: bool = False,
+) -> Snapshot:
+    """A loader's snapshot of ``frame``: the saved plan of an unchanged scan, or its own.
+
+    Over an unchanged ``cache.scan()``, a shuffled loader without a schedule maps the plan
+    saved with the version (nothing of the table is read), if it has a sound one (with
+    ``lengths``, one holding the documents' lengths). Otherwise the frame is snapshotted
+    (see :func:`snapshot`), and a scan's lost or damaged saved plan is put back from the
+    loader's own when the two are byte for byte the same.
+    """
+    weighted = shuffle and phases is None
+    saved = saved_plan(frame, verify) if weighted else None
+    if saved is not None:
+        cache, plan, digest, rows = saved
+        if not lengths or _native.plan_rows(plan)[3] is not None:
+            return Snapshot([cache], plan, digest, rows, None)
+    taken = snapshot(owner, frame, root, shuffle, phases, lengths)
+    if weighted and saved is None:
+        restore_saved_plan(frame, taken.plan)
+    return taken
+
+
 def snapshot(
     owner: object,
     frame: pl.DataFrame | pl.LazyFrame,
     root: PathLike | None,
     shuffle: bool,
     phases: list[Phase] | None,
+    lengths: bool = False,
 ) -> Snapshot:
     """Writes the frame's plan, and its schedule's tables, for a loader ``owner``.
 
-    They go into a directory that lives as long as ``owner``.
+    They go into a directory that lives as long as ``owner``. With ``lengths`` the plan
+    holds the frame's ``length`` column too: the token counts a packed loader reads.
     """
     data = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
     if not isinstance(data, pl.DataFrame):
         raise TypeError(f"a loader needs a polars DataFrame or LazyFrame, not {type(frame)}")
     caches, plan_frame, more = _columns(data, root, shuffle, phases)
+    if lengths:
+        for cache in caches:
+            if not cache.serializer.startswith("tokens"):
+                raise ArgumentError(
+                    f"cache {cache.name!r} was written with serializer {cache.serializer!r}; a "
+                    "packed loader (seq_len=) reads token caches: "
+                    "drt.cache(documents, name, serializer='tokens')"
+                )
+        plan_frame = plan_frame.with_columns(token_lengths(data))
     directory = scratch_dir("dataset_rt-loader-")
     weakref.finalize(owner, shutil.rmtree, directory, True)
     plan = os.path.join(directory, "plan.bin")

@@ -13,11 +13,12 @@ import polars as pl
 from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, LoaderStateError
 from dataset_rt.options import check_draws, check_int, check_same, resolve_ranks
-from dataset_rt.packing import START, Cursor, Steps, take_frame, write_lengths
+from dataset_rt.packing import START, Cursor, Steps
 from dataset_rt.program import Phase, WeightSource
 from dataset_rt.reweights import Weights, row_weights
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import TOKEN_RANGES
+from dataset_rt.snapshot import take
 
 if TYPE_CHECKING:
     pass
@@ -122,15 +123,8 @@ class TokenLoader:
         self._num_workers = check_int("num_workers", num_workers, 0)
         num_samples, phases = check_draws(self._shuffle, num_samples, schedule, self._num_workers)
         self._rank, self._world_size = resolve_ranks(rank, world_size)
-        taken, data, lengths = take_frame(self, frame, root, self._shuffle, phases, bool(verify))
-        for cache in taken.caches:
-            if not cache.serializer.startswith("tokens"):
-                raise ArgumentError(
-                    f"cache {cache.name!r} was written with serializer {cache.serializer!r}; a "
-                    "packed loader (seq_len=) reads token caches: "
-                    "drt.cache(documents, name, serializer='tokens')"
-                )
-        write_lengths(data, lengths)
+        taken = take(self, frame, root, self._shuffle, phases, bool(verify), lengths=True)
+        tokens = _native.plan_rows(taken.plan)[3] or 0  # the documents' tokens, in the plan
         if separator is not None:
             separator = check_int("separator", separator, -(2**63), 2**63 - 1)
             for cache in taken.caches:
@@ -144,12 +138,11 @@ class TokenLoader:
         self._separator = separator
         self._caches = taken.caches  # held for the loader's life, with their mappings
         self._plan = taken.plan
-        self._lengths = lengths
         self._rows = taken.rows
         self._total = num_samples if num_samples is not None else taken.rows
         # An epoch takes as many tokens as its draws hold on average: the frame's tokens
         # (with a separator per document), scaled to num_samples documents.
-        tokens = int(data["length"].sum()) + taken.rows * (separator is not None)
+        tokens += taken.rows * (separator is not None)
         self._epoch_tokens = tokens * self._total // taken.rows
         if len(self) == 0:
             raise ArgumentError(
@@ -183,7 +176,6 @@ class TokenLoader:
             self._plan,
             tuple(str(c.path) for c in self._caches),
             tuple(c.cache_id for c in self._caches),
-            self._lengths,
             self._weights.native,
             (self._seed, epoch, self._total, self._separator, self._verify),
             (self._rank, self._world_size, self._batch_size, self._seq_len),

@@ -144,7 +144,7 @@ def verify(name: str, *, root: PathLike | None = None, progress: bool = True) ->
             sys.stderr.write("\n")
     problems = [Problem(file, message, list(ids)) for file, message, ids in found]
     path = root_path / name
-    if not any(p.file == "manifest.json" for p in problems):
+    if not any(p.file == _native.MANIFEST_FILE for p in problems):
         manifest = store.manifest(name)
         problems += _check_metadata(path, manifest, {p.file for p in problems})
     return VerifyReport(

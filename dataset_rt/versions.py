@@ -27,7 +27,7 @@ from dataset_rt.errors import (
     MetadataError,
     StaleCacheError,
 )
-from dataset_rt.metadata import checked_edit, checked_scan
+from dataset_rt.metadata import checked_edit, checked_scan, token_lengths
 from dataset_rt.roots import PathLike
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MetadataVersions",
     "local_copy",
-    "write_version_plan",
+    "write_version",
 ]
 
 
@@ -74,6 +74,10 @@ class MetadataVersions:
 
         @property
         def cache_id(self) -> str:  # noqa: D102
+            ...
+
+        @property
+        def serializer(self) -> str:  # noqa: D102
             ...
 
         def __len__(self) -> int: ...
@@ -164,7 +168,7 @@ class MetadataVersions:
             copy = local_copy(self.path)
             if copy is not None:  # a remote cache's plan is fetched when a loader needs it
                 copy.fetch(_native.plan_file(version))
-            rows, caches, weighted = _native.plan_rows(path)
+            rows, caches, weighted, _ = _native.plan_rows(path)
             if verify and _native.file_checksum(path)[1] != digest:
                 return None
         except StaleCacheError:
@@ -279,8 +283,7 @@ class MetadataVersions:
                     f"cache {self.name!r} was rebuilt since it was opened; nothing was saved"
                 ) from exc
             try:
-                checked.write_parquet(save.path)
-                write_version_plan(save.plan_path, checked)
+                write_version(save.path, save.plan_path, checked, self.serializer)
             except BaseException as exc:
                 save.discard()
                 if isinstance(exc, OSError | pl.exceptions.PolarsError):
@@ -291,17 +294,23 @@ class MetadataVersions:
         return version
 
 
-def write_version_plan(path: PathLike, frame: pl.DataFrame) -> None:
-    """Writes the loader plan of a metadata table about to be saved (none for an empty one).
+def write_version(
+    table_path: PathLike, plan_path: PathLike, frame: pl.DataFrame, serializer: str
+) -> None:
+    """Writes a metadata version about to be committed: its table, and the plan saved with it.
 
-    It is the plan a shuffled loader over the table would write for itself, byte for byte:
-    a loader made from :meth:`Cache.scan` maps it instead.
+    The plan (none for an empty table) is the one a shuffled loader over the table would
+    write for itself, byte for byte: a loader made from :meth:`Cache.scan` maps it instead.
+    A token cache's plan (``serializer`` ``tokens...``) holds the documents' lengths too,
+    when the table has them, for a packed loader.
     """
-    if frame.height:
-        columns = frame.select(
-            pl.col("sample_id").cast(pl.Int64), pl.col("weight").cast(pl.Float64)
-        )
-        _native.write_plan(path, columns, 1, True)
+    frame.write_parquet(Path(table_path))
+    if not frame.height:
+        return
+    columns = frame.select(pl.col("sample_id").cast(pl.Int64), pl.col("weight").cast(pl.Float64))
+    if serializer.startswith("tokens") and "length" in frame.columns:
+        columns = columns.with_columns(token_lengths(frame))
+    _native.write_plan(plan_path, columns, 1, True)
 
 
 def _io_error(exc: BaseException, path: Path) -> CacheIOError:

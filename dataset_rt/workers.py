@@ -44,7 +44,7 @@ import torch.utils.data as tud
 
 from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, WorkerError
-from dataset_rt.pipeline import LoaderSpec, assemble
+from dataset_rt.pipeline import LoaderSpec, LoaderStats, assemble
 from dataset_rt.processes import ForkServerContext, SpawnContext
 
 __all__ = ["DEFAULT_START_TIMEOUT", "pack", "run_workers", "start_timeout", "worker_batches"]
@@ -213,6 +213,29 @@ def worker_batches(
     ``packed`` is the loader's spec from :func:`pack`; ``depth`` the batches to keep in flight.
     """
     return _run(_WorkerStream(packed, schedule, epoch), num_workers, depth)
+
+
+def counted(
+    batches: Iterator[tuple[Any, int, int, list[float]]], stats: LoaderStats
+) -> Iterator[Any]:
+    """The batches of the workers' ``(batch, samples, bytes, stage times)``, counted in ``stats``.
+
+    Closing it shuts the workers down (a consumer that stops early).
+    """
+    try:
+        while True:
+            start = time.perf_counter()
+            item = next(batches, None)
+            stats.wait_seconds += time.perf_counter() - start
+            if item is None:
+                return
+            out, samples, nbytes, times = item
+            stats.add(samples, nbytes, times)
+            yield out
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
 
 
 def run_workers(

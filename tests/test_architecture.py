@@ -86,7 +86,18 @@ def test_the_python_package_has_no_import_cycle() -> None:
 PYTHON_LAYERS = [
     {"__init__", "_version_check"},
     {"errors", "roots", "progress", "serialize", "metadata", "plugins", "processes", "objects"},
-    {"registry", "verify", "fetch", "versions", "caches", "records", "build", "remote"},
+    {
+        "registry",
+        "verify",
+        "transfers",
+        "fetch",
+        "versions",
+        "caches",
+        "records",
+        "build",
+        "appends",
+        "remote",
+    },
     {
         "options",
         "pipeline",

@@ -41,6 +41,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
                 "0 of them shards",
                 "second epoch",
                 "fetched on demand",
+                "GIL-holding transform, s3://",
             ],
         ),
         (["fuzz.py", "--smoke"], ["damaged local caches", "in a local S3 server", "findings: 0"]),
@@ -51,6 +52,10 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         (
             ["tokens.py", "--smoke"],
             ["memmap windows (baseline)", "packed loader", "Python packing"],
+        ),
+        (
+            ["tokens_scale.py", "--smoke"],
+            ["20,000 documents", "baseline (memmap)", "cache.scan()", "cache.metadata"],
         ),
     ],
     ids=[
@@ -65,6 +70,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         "fuzz",
         "program",
         "tokens",
+        "tokens-scale",
     ],
 )
 def test_benchmark_runs_and_prints_its_table(args: list[str], expected: list[str]) -> None:

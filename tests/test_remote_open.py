@@ -7,6 +7,7 @@ once" are checked where the bytes travel, not inferred from the local directory.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -198,6 +199,36 @@ def test_a_damaged_remote_shard_is_never_published(
     assert not list((cache.root / ".partial").iterdir()), "the partial download was removed"
     with pytest.raises(CacheCorruptError, match="00003.bin"):
         cache.get(damaged)  # asked again, fetched again, refused again
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda m: {**m, "cache_id": "../../outside"}, "is not a build id"),
+        (lambda m: {**m, "format_version": 99}, "format version 99"),
+        (lambda m: {k: v for k, v in m.items() if k != "shards"}, "malformed manifest"),
+    ],
+    ids=["cache-id-with-a-path", "newer-format", "missing-field"],
+)
+def test_a_remote_manifest_is_checked_by_the_engine_before_anything_uses_it(
+    url: str,
+    bucket: str,
+    s3: Any,
+    options: dict[str, str],
+    tmp_path: Path,
+    edit: Any,
+    expected: str,
+) -> None:
+    # The cache_id names the local copy's directory: a manifest that would lead it
+    # elsewhere is refused, as one of a newer format or a malformed one is, naming the URL.
+    key = "team/rc/manifest.json"
+    manifest = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(edit(manifest)).encode())
+    with pytest.raises(CacheCorruptError, match=expected) as caught:
+        drt.open("rc", root=url, storage_options=options, local_dir=tmp_path / "local")
+    assert "team/rc/manifest.json" in str(caught.value)
+    assert not (tmp_path / "outside").exists()
+    assert "rc" not in drt.list_caches(url, storage_options=options)["name"].to_list()
 
 
 def test_a_download_left_by_a_killed_process_is_never_trusted(

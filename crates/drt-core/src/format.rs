@@ -202,7 +202,14 @@ impl Manifest {
             "is a symbolic link; cache files must be regular files"
         );
         let text = std::fs::read(&path).at(&path)?;
-        let value: serde_json::Value = serde_json::from_slice(&text)
+        Self::parse(&text, &path)
+    }
+
+    /// Parses and checks the manifest `text`, read from `path` (named in errors; a remote
+    /// cache's manifest arrives as bytes).
+    pub fn parse(text: &[u8], path: &Path) -> Result<Manifest> {
+        let path = path.to_path_buf();
+        let value: serde_json::Value = serde_json::from_slice(text)
             .map_err(|e| Error::corrupt(&path, format!("not valid JSON: {e}")))?;
         // The version is checked before the rest, so that a newer format gets the right error
         // even when its other fields changed.
@@ -324,6 +331,17 @@ impl Manifest {
     }
 
     fn check(&self, path: &Path) -> Result<()> {
+        // The id names directories (a remote cache's local copy): letters, digits, - and _.
+        crate::ensure_intact!(
+            (1..=64).contains(&self.cache_id.len())
+                && self
+                    .cache_id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'),
+            path,
+            "cache_id {:?} is not a build id",
+            self.cache_id
+        );
         crate::ensure_intact!(
             self.alignment.is_power_of_two() && self.alignment <= 4096,
             path,

@@ -31,6 +31,19 @@ pub fn check_digest(expected: Option<&str>, digest: u64) -> std::result::Result<
     }
 }
 
+/// Checks a loader plan's xxh3-64 `digest` against the checksum `expected` its manifest
+/// records; `Err` says what differs and what to do.
+pub fn check_plan_digest(expected: Option<&str>, digest: u64) -> std::result::Result<(), String> {
+    let found = checksum_hex(digest);
+    match expected {
+        Some(expected) if expected != found => Err(format!(
+            "loader plan fails its checksum (manifest {expected}, file {found}); delete the \
+             file, and loaders over this version build their own"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The file of metadata version `version` in cache directory `dir`, checked before anyone
 /// parses it: a regular file, matching the checksum `expected` (a flipped bit in a weight
 /// would otherwise parse as a wrong weight). Hashing runs at memory speed, a small cost

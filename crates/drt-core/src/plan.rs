@@ -5,10 +5,14 @@
 //! the loader, so worker processes share its pages instead of each holding a copy.
 //!
 //! ```text
-//! header (64 bytes): PLAN_MAGIC, rows u64, caches u32, flags u32
+//! header (64 bytes): PLAN_MAGIC, rows u64, caches u32, flags u32, tokens u64
 //! sample_id u64[rows] | cache u32[rows] (if several caches) | threshold u32[rows] and
-//! alias u32[rows] (if weighted)
+//! alias u32[rows] (if weighted) | length u32[rows] (if the rows are token documents)
 //! ```
+//!
+//! A plan of token documents holds each row's token count and, in its header, their sum:
+//! a packed token stream over it reads nothing else to know where documents fall, so a
+//! plan saved with a metadata version starts a stream in the same time at any size.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -27,6 +31,7 @@ pub(crate) const TABLE_MAGIC: &[u8; 8] = b"DRTWGT01";
 pub(crate) const HEADER_LEN: usize = 64;
 const HAS_CACHES: u32 = 1;
 const WEIGHTED: u32 = 2;
+const LENGTHS: u32 = 4;
 
 /// The rows of a loader: their samples and, when shuffling, the alias table of their weights.
 pub struct Plan {
@@ -36,6 +41,8 @@ pub struct Plan {
     caches: u32,
     cache_at: Option<usize>,
     table_at: Option<usize>,
+    lengths_at: Option<usize>,
+    tokens: u64,
 }
 
 impl std::fmt::Debug for Plan {
@@ -91,22 +98,30 @@ impl LeBytes for u64 {
 
 impl Plan {
     /// Writes the plan of rows `sample_ids[i]` of cache `caches[i]` (one cache when
-    /// `caches` is `None`), weighted by `weights` when the loader shuffles. Returns the
-    /// xxh3-64 of the file: two plans with the same digest draw the same rows.
+    /// `caches` is `None`), weighted by `weights` when the loader shuffles, with the token
+    /// counts `lengths` of token documents. Returns the xxh3-64 of the file: two plans with
+    /// the same digest draw the same rows.
     pub fn write(
         path: &Path,
         sample_ids: &[u64],
         caches: Option<(&[u32], u32)>,
         weights: Option<&[f64]>,
+        lengths: Option<&[u32]>,
     ) -> Result<u64> {
         let rows = sample_ids.len();
         if rows as u64 > MAX_ROWS {
             crate::bail_arg!("{rows} rows exceed the loader's limit of {MAX_ROWS}");
         }
-        if caches.is_some_and(|(c, _)| c.len() != rows) || weights.is_some_and(|w| w.len() != rows)
+        if caches.is_some_and(|(c, _)| c.len() != rows)
+            || weights.is_some_and(|w| w.len() != rows)
+            || lengths.is_some_and(|l| l.len() != rows)
         {
             crate::bail_arg!("plan columns differ in length");
         }
+        if let Some(row) = lengths.and_then(|l| l.iter().position(|&n| n == 0)) {
+            crate::bail_arg!("row {row} has length 0: a token document holds at least one id");
+        }
+        let tokens: u64 = lengths.map_or(0, |l| l.iter().map(|&n| u64::from(n)).sum());
         if let Some((codes, n)) = caches {
             if let Some(bad) = codes.iter().find(|&&c| c >= n) {
                 crate::bail_arg!("cache code {bad} out of range for {n} caches");
@@ -120,8 +135,10 @@ impl Plan {
         header[8..16].copy_from_slice(&(rows as u64).to_le_bytes());
         header[16..20].copy_from_slice(&caches.map_or(1, |(_, n)| n).to_le_bytes());
         let flags = if caches.is_some() { HAS_CACHES } else { 0 }
-            | if table.is_some() { WEIGHTED } else { 0 };
+            | if table.is_some() { WEIGHTED } else { 0 }
+            | if lengths.is_some() { LENGTHS } else { 0 };
         header[20..24].copy_from_slice(&flags.to_le_bytes());
+        header[24..32].copy_from_slice(&tokens.to_le_bytes());
         out.write_all(&header).at(path)?;
         write_le(&mut out, sample_ids, path)?;
         if let Some((codes, _)) = caches {
@@ -130,6 +147,9 @@ impl Plan {
         if let Some(table) = &table {
             write_le(&mut out, &table.threshold, path)?;
             write_le(&mut out, &table.alias, path)?;
+        }
+        if let Some(lengths) = lengths {
+            write_le(&mut out, lengths, path)?;
         }
         let (_, digest, inner) = out.finish();
         inner.into_inner().map_err(|e| e.into_error()).at(path)?;
@@ -164,6 +184,12 @@ impl Plan {
             at += 8 * n;
             a
         });
+        let lengths_at = (flags & LENGTHS != 0).then(|| {
+            let a = at;
+            at += 4 * n;
+            a
+        });
+        let tokens = u64_at(24);
         crate::ensure_intact!(map.len() == at, path, "plan file has the wrong size");
         Ok(Self {
             path: path.to_path_buf(),
@@ -172,6 +198,8 @@ impl Plan {
             caches,
             cache_at,
             table_at,
+            lengths_at,
+            tokens,
         })
     }
 
@@ -194,6 +222,17 @@ impl Plan {
     /// Whether the plan holds an alias table (the loader shuffles).
     pub fn weighted(&self) -> bool {
         self.table_at.is_some()
+    }
+
+    /// The rows' tokens in all, if the plan holds token documents' lengths.
+    pub fn tokens(&self) -> Option<u64> {
+        self.lengths_at.map(|_| self.tokens)
+    }
+
+    /// The token count of `row`'s document; 0 when the plan holds no lengths.
+    #[inline]
+    pub fn length(&self, row: u64) -> u32 {
+        self.lengths_at.map_or(0, |at| self.u32_at(at, row))
     }
 
     #[inline]
@@ -368,7 +407,7 @@ mod tests {
         let ids: Vec<u64> = (0..1000).map(|i| i * 3).collect();
         let codes: Vec<u32> = (0..1000).map(|i| (i % 3) as u32).collect();
         let weights: Vec<f64> = (0..1000).map(|i| (i % 7) as f64).collect();
-        Plan::write(&path, &ids, Some((&codes, 3)), Some(&weights)).unwrap();
+        Plan::write(&path, &ids, Some((&codes, 3)), Some(&weights), None).unwrap();
         let plan = Plan::open(&path).unwrap();
         assert_eq!(plan.rows(), 1000);
         assert_eq!(plan.caches(), 3);
@@ -384,7 +423,7 @@ mod tests {
     fn unweighted_plans_read_rows_in_order_and_wrap() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("plan");
-        Plan::write(&path, &[5, 6, 7], None, None).unwrap();
+        Plan::write(&path, &[5, 6, 7], None, None, None).unwrap();
         let plan = Plan::open(&path).unwrap();
         let s = EpochRandom::new(0, 0);
         assert_eq!(
@@ -396,13 +435,38 @@ mod tests {
     }
 
     #[test]
+    fn token_plans_hold_each_rows_length_and_their_sum() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan");
+        Plan::write(
+            &path,
+            &[4, 5, 6],
+            None,
+            Some(&[1.0, 2.0, 3.0]),
+            Some(&[7, 1, 300]),
+        )
+        .unwrap();
+        let plan = Plan::open(&path).unwrap();
+        assert_eq!(plan.tokens(), Some(308));
+        assert_eq!(
+            (0..3).map(|r| plan.length(r)).collect::<Vec<_>>(),
+            [7, 1, 300]
+        );
+        assert!(plan.weighted());
+        let err = Plan::write(&path, &[4, 5], None, None, Some(&[3, 0])).unwrap_err();
+        assert!(err.to_string().contains("row 1 has length 0"), "{err}");
+        Plan::write(&path, &[4], None, None, None).unwrap();
+        assert_eq!(Plan::open(&path).unwrap().tokens(), None);
+    }
+
+    #[test]
     fn damaged_plans_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("plan");
-        Plan::write(&path, &[1, 2, 3], None, Some(&[1.0, 1.0, 1.0])).unwrap();
+        Plan::write(&path, &[1, 2, 3], None, Some(&[1.0, 1.0, 1.0]), None).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
         assert!(Plan::open(&path).is_err());
-        assert!(Plan::write(&path, &[1], Some((&[4], 2)), None).is_err());
+        assert!(Plan::write(&path, &[1], Some((&[4], 2)), None, None).is_err());
     }
 }

@@ -575,7 +575,14 @@ mod tests {
         let ids: Vec<u64> = (0..20).rev().collect();
         let weights = [1.0; 20];
         let plan_path = dir.join("plan");
-        Plan::write(&plan_path, &ids, None, weighted.then_some(&weights[..])).unwrap();
+        Plan::write(
+            &plan_path,
+            &ids,
+            None,
+            weighted.then_some(&weights[..]),
+            None,
+        )
+        .unwrap();
         Source {
             plan: Arc::new(Plan::open(&plan_path).unwrap()),
             caches: Arc::new(vec![reader]),
@@ -632,7 +639,7 @@ mod tests {
         crate::reader::tests::build(dir.path(), &records, opts);
         let ids: Vec<u64> = (0..12).collect();
         let plan_path = dir.path().join("plan");
-        Plan::write(&plan_path, &ids, None, None).unwrap();
+        Plan::write(&plan_path, &ids, None, None, None).unwrap();
         let src = Source {
             plan: Arc::new(Plan::open(&plan_path).unwrap()),
             caches: Arc::new(vec![CacheReader::open(dir.path()).unwrap()]),

@@ -448,7 +448,7 @@ mod tests {
         let path = dir.path().join("plan");
         let ids: Vec<u64> = (0..300).collect();
         let weights: Vec<f64> = (0..300).map(|i| 1.0 + (i % 5) as f64).collect();
-        Plan::write(&path, &ids, None, Some(&weights)).unwrap();
+        Plan::write(&path, &ids, None, Some(&weights), None).unwrap();
         let plan = Plan::open(&path).unwrap();
         let program = Program::new(
             vec![MappedTable::open(&path).unwrap()],

@@ -12,11 +12,7 @@
 //! a token of it by its draw and offset, so that reading resumes in O(1) from a saved
 //! cursor; moving it forward reads the documents' lengths only.
 
-use std::path::Path;
-
-use memmap2::Mmap;
-
-use crate::error::{Error, IoContext, Result};
+use crate::error::{Error, Result};
 use crate::prefetch::Source;
 
 /// The first bytes of a token record.
@@ -143,40 +139,25 @@ pub struct Piece {
 /// One epoch's token stream over a loader's plan and caches.
 pub struct TokenStream {
     source: Source,
-    /// One little-endian u32 per plan row: its document's token count.
-    lengths: Mmap,
     separator: Option<i64>,
 }
 
 impl TokenStream {
-    /// The stream of `source`'s epoch. The file `lengths` holds each plan row's number of
-    /// ids as a little-endian u32 (checked against each record read); `separator` follows
-    /// every document.
-    pub fn new(source: Source, lengths: &Path, separator: Option<i64>) -> Result<Self> {
-        let file = std::fs::File::open(lengths).at(lengths)?;
-        // SAFETY: the loader writes the file completely before any stream opens it, and
-        // never changes it; its size is checked below.
-        let map = unsafe { Mmap::map(&file) }.at(lengths)?;
-        if map.len() as u64 != 4 * source.plan.rows() {
+    /// The stream of `source`'s epoch, whose plan holds each row's token count (checked
+    /// against each record read); `separator` follows every document.
+    pub fn new(source: Source, separator: Option<i64>) -> Result<Self> {
+        if source.plan.tokens().is_none() {
             crate::bail_arg!(
-                "{}: {} bytes of document lengths for a plan of {} rows",
-                lengths.display(),
-                map.len(),
-                source.plan.rows()
+                "the loader's plan holds no document lengths: a token stream needs a plan \
+                 written with each row's token count"
             );
         }
-        Ok(Self {
-            source,
-            lengths: map,
-            separator,
-        })
+        Ok(Self { source, separator })
     }
 
     /// The number of ids of the plan's row `row`.
     fn length(&self, row: u64) -> u64 {
-        let at = 4 * row as usize;
-        let bytes = self.lengths[at..at + 4].try_into().unwrap_or([0; 4]);
-        u64::from(u32::from_le_bytes(bytes))
+        u64::from(self.source.plan.length(row))
     }
 
     /// Tokens of the document of plan row `row`, its separator included.

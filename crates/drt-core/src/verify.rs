@@ -15,7 +15,7 @@ use crate::format::{
     checksum_hex, FileEntry, Manifest, Segment, MANIFEST_FILE, SHARD_HEADER_LEN, SHARD_MAGIC,
 };
 use crate::index::Index;
-use crate::metadata::check_digest;
+use crate::metadata::{check_digest, check_plan_digest};
 use crate::store::{BuildLock, Store};
 
 /// One thing found wrong with a cache.
@@ -227,41 +227,28 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(u64) -> Result<()>) -> Result
         }
     }
 
-    // Metadata versions: present, and matching their recorded checksum where there is one.
-    for version in &manifest.metadata_versions {
-        let file = Manifest::metadata_file(*version);
+    // Metadata versions (present, and matching their recorded checksum where there is one)
+    // and loader plans (present and intact: a loader maps them instead of building its own).
+    type Check = fn(Option<&str>, u64) -> std::result::Result<(), String>;
+    let tables = manifest.metadata_versions.iter().map(|v| {
+        let expected = manifest.metadata_checksums.get(v).map(String::as_str);
+        (Manifest::metadata_file(*v), expected, check_digest as Check)
+    });
+    let plans = manifest.plan_checksums.iter().map(|(v, expected)| {
+        (
+            Manifest::plan_file(*v),
+            Some(expected.as_str()),
+            check_plan_digest as Check,
+        )
+    });
+    for (file, expected, check) in tables.chain(plans) {
         report.files_checked += 1;
         match read_entry(dir, &file, None) {
             Err(msg) => report.problem(&file, msg),
             Ok(bytes) => {
                 report.bytes_read += bytes.len() as u64;
-                let expected = manifest.metadata_checksums.get(version);
-                let digest = xxhash_rust::xxh3::xxh3_64(&bytes);
-                if let Err(msg) = check_digest(expected.map(String::as_str), digest) {
+                if let Err(msg) = check(expected, xxhash_rust::xxh3::xxh3_64(&bytes)) {
                     report.problem(&file, msg);
-                }
-            }
-        }
-        progress(report.bytes_read)?;
-    }
-
-    // Loader plans: present and intact (a loader maps them instead of building its own).
-    for (version, expected) in &manifest.plan_checksums {
-        let file = Manifest::plan_file(*version);
-        report.files_checked += 1;
-        match read_entry(dir, &file, None) {
-            Err(msg) => report.problem(&file, msg),
-            Ok(bytes) => {
-                report.bytes_read += bytes.len() as u64;
-                let found = checksum_hex(xxhash_rust::xxh3::xxh3_64(&bytes));
-                if &found != expected {
-                    report.problem(
-                        &file,
-                        format!(
-                            "loader plan fails its checksum (manifest {expected}, file {found}); \
-                             delete the file, and loaders over this version build their own"
-                        ),
-                    );
                 }
             }
         }

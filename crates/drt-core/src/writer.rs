@@ -28,6 +28,24 @@ pub struct WriteOptions {
     pub compression: Codec,
 }
 
+impl WriteOptions {
+    /// The options of a cache written in shards of `shard_size` bytes, records aligned to
+    /// `alignment`, compressed with the codec named `compression` (`none`, `zstd`, `lz4`)
+    /// at `level`.
+    pub fn parse(
+        shard_size: u64,
+        alignment: u64,
+        compression: &str,
+        level: Option<i32>,
+    ) -> Result<Self> {
+        Ok(Self {
+            shard_size,
+            alignment,
+            compression: Codec::parse(compression, level)?,
+        })
+    }
+}
+
 impl Default for WriteOptions {
     fn default() -> Self {
         Self {

@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use drt_core::append::AppendSession;
 use drt_core::build::{BuildSession, PartWriter};
-use drt_core::compress::Codec;
 use drt_core::format::Part;
 use drt_core::writer::WriteOptions;
 use pyo3::prelude::*;
@@ -209,11 +208,7 @@ impl PyPartWriter {
         compression_level: Option<i32>,
     ) -> PyResult<Self> {
         let writer = run(py, || {
-            let opts = WriteOptions {
-                shard_size,
-                alignment,
-                compression: Codec::parse(compression, compression_level)?,
-            };
+            let opts = WriteOptions::parse(shard_size, alignment, compression, compression_level)?;
             PartWriter::create(&build_dir, &relative, opts)
         })?;
         Ok(Self { writer })

@@ -6,11 +6,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use drt_core::fetch::{FetchError, Fetcher};
-use drt_core::prefetch::SourceOptions;
 use pyo3::prelude::*;
 
 use crate::errors::run;
-use crate::loader::{open_source, PySchedule};
+use crate::loader::{Epoch, PySchedule};
 use crate::program::PyProgram;
 
 /// A Python callable `fetch(file)`, called with the GIL from whichever thread reads the shard.
@@ -56,23 +55,12 @@ pub fn epoch_shards(
     epoch: u64,
     program: Option<&PyProgram>,
 ) -> PyResult<Vec<(u32, String, u64)>> {
-    let schedule = schedule.inner;
-    let options = SourceOptions {
-        seed,
-        epoch,
-        verify: false,
-        views: false,
-    };
-    let program = program.map(|p| p.inner.clone());
-    run(py, || {
-        open_source(
-            &plan_path,
-            &cache_dirs,
-            &cache_ids,
-            schedule,
-            options,
-            program,
-        )?
-        .shards_in_order()
-    })
+    let source = Epoch::new(
+        plan_path,
+        cache_dirs,
+        cache_ids,
+        program,
+        (seed, epoch, false, false),
+    );
+    run(py, || source.open(schedule.inner)?.shards_in_order())
 }

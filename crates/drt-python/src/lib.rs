@@ -27,6 +27,10 @@ use drt_polars as _;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", drt_core::format::FORMAT_VERSION)?;
+    // The names of a cache's files are the format's: Python spells none of them.
+    m.add("MANIFEST_FILE", drt_core::format::MANIFEST_FILE)?;
+    m.add("SHARDS_DIR", drt_core::format::SHARDS_DIR)?;
+    m.add("PARTS_DIR", drt_core::format::PARTS_DIR)?;
     // The record layout is the format's: Python's serializer writes what the core reads.
     m.add(
         "OOB_MAGIC",
@@ -59,6 +63,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::file_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(store::metadata_file, m)?)?;
     m.add_function(wrap_pyfunction!(store::plan_file, m)?)?;
+    m.add_function(wrap_pyfunction!(store::part_dir, m)?)?;
     m.add_function(wrap_pyfunction!(loader::plan_rows, m)?)?;
     m.add_class::<metadata::PyMetadataSave>()?;
     m.add_function(wrap_pyfunction!(metadata::checked_metadata_table, m)?)?;
@@ -66,6 +71,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loader::write_plan, m)?)?;
     m.add_function(wrap_pyfunction!(builder::relocate_part, m)?)?;
     m.add_function(wrap_pyfunction!(manifest::read_manifest, m)?)?;
+    m.add_function(wrap_pyfunction!(manifest::parse_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(fetch::register_fetcher, m)?)?;
     m.add_function(wrap_pyfunction!(fetch::unregister_fetcher, m)?)?;
     m.add_function(wrap_pyfunction!(fetch::epoch_shards, m)?)?;

@@ -20,8 +20,9 @@ use crate::errors::{run, to_py};
 use crate::program::PyProgram;
 
 /// Writes a loader plan from a frame with `sample_id` (Int64 or UInt64, non-negative),
-/// `cache` (UInt32, when there are several caches) and `weight` (Float64, when `weighted`);
-/// returns its digest in hex. The columns are read in place, not copied.
+/// `cache` (UInt32, when there are several caches), `weight` (Float64, when `weighted`) and,
+/// for token documents, `length` (UInt32, each at least 1); returns its digest in hex. The
+/// columns are read in place, not copied.
 #[pyfunction]
 pub fn write_plan(
     py: Python<'_>,
@@ -42,41 +43,79 @@ pub fn write_plan(
     } else {
         None
     };
+    let has_lengths = batches
+        .first()
+        .is_some_and(|b| b.schema().column_with_name("length").is_some());
+    let lengths = if has_lengths {
+        Some(primitive_column::<UInt32Type>(&batches, "length")?)
+    } else {
+        None
+    };
     let digest = run(py, || {
         Plan::write(
             &path,
             &sample_ids,
             codes.as_deref().map(|c| (c, num_caches)),
             weights.as_deref(),
+            lengths.as_deref(),
         )
     })?;
     Ok(format!("{digest:016x}"))
 }
 
-/// The rows of the plan at `path` and whether it draws by weight, after checking that it is
-/// a plan whose size matches its header (its checksum is `verify`'s to check).
+/// The rows of the plan at `path`, its caches, whether it draws by weight and its tokens
+/// (None unless it holds token documents' lengths), after checking that it is a plan
+/// whose size matches its header (its checksum is `verify`'s to check).
 #[pyfunction]
-pub fn plan_rows(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u32, bool)> {
+pub fn plan_rows(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u32, bool, Option<u64>)> {
     run(py, || {
         let plan = Plan::open(&path)?;
-        Ok((plan.rows(), plan.caches(), plan.weighted()))
+        Ok((plan.rows(), plan.caches(), plan.weighted(), plan.tokens()))
     })
 }
 
-/// Opens what a loader's reading of one epoch needs: its plan, its caches and, when its
-/// weights change with progress, its sampling program.
-pub fn open_source(
-    plan: &std::path::Path,
-    cache_dirs: &[PathBuf],
-    cache_ids: &[String],
-    schedule: Schedule,
+/// What a loader's reading of one epoch opens: its plan, its caches (`dirs[i]` holding build
+/// `ids[i]`), the draws' options and, when its weights change with progress, its sampling
+/// program. Every native reader of an epoch (batches, shards, token streams) takes these.
+pub struct Epoch {
+    plan: PathBuf,
+    dirs: Vec<PathBuf>,
+    ids: Vec<String>,
     options: SourceOptions,
     program: Option<Arc<Program>>,
-) -> drt_core::Result<Source> {
-    let source = Source::open(plan, cache_dirs, cache_ids, schedule, options)?;
-    match program {
-        Some(program) => source.with_program(program),
-        None => Ok(source),
+}
+
+impl Epoch {
+    /// The epoch of `plan` over caches `dirs` (holding builds `ids`), drawn with `(seed,
+    /// epoch)`, checking records with `verify`, reading large buffers in place with `views`.
+    pub fn new(
+        plan: PathBuf,
+        dirs: Vec<PathBuf>,
+        ids: Vec<String>,
+        program: Option<&PyProgram>,
+        (seed, epoch, verify, views): (u64, u64, bool, bool),
+    ) -> Self {
+        Self {
+            plan,
+            dirs,
+            ids,
+            options: SourceOptions {
+                seed,
+                epoch,
+                verify,
+                views,
+            },
+            program: program.map(|p| p.inner.clone()),
+        }
+    }
+
+    /// The epoch's source, its draws placed by `schedule`.
+    pub fn open(&self, schedule: Schedule) -> drt_core::Result<Source> {
+        let source = Source::open(&self.plan, &self.dirs, &self.ids, schedule, self.options)?;
+        match &self.program {
+            Some(program) => source.with_program(program.clone()),
+            None => Ok(source),
+        }
     }
 }
 
@@ -439,22 +478,15 @@ impl PyPrefetcher {
         program: Option<&PyProgram>,
     ) -> PyResult<Self> {
         let schedule = schedule.inner;
-        let options = SourceOptions {
-            seed,
-            epoch,
-            verify,
-            views,
-        };
-        let program = program.map(|p| p.inner.clone());
+        let source = Epoch::new(
+            plan_path,
+            cache_dirs,
+            cache_ids,
+            program,
+            (seed, epoch, verify, views),
+        );
         let prefetcher = run(py, || {
-            let source = open_source(
-                &plan_path,
-                &cache_dirs,
-                &cache_ids,
-                schedule,
-                options,
-                program,
-            )?;
+            let source = source.open(schedule)?;
             let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
             Prefetcher::start(source, numbers, depth)
         })?;

@@ -112,3 +112,12 @@ pub fn read_manifest(py: Python<'_>, path: std::path::PathBuf) -> PyResult<PyMan
         .map(|m| PyManifest::from(&m))
         .map_err(|e| crate::errors::to_py(py, e))
 }
+
+/// Parses and checks a manifest's bytes (a remote cache's, as downloaded); `origin` names
+/// where they came from in errors.
+#[pyfunction]
+pub fn parse_manifest(py: Python<'_>, raw: &[u8], origin: String) -> PyResult<PyManifest> {
+    Manifest::parse(raw, std::path::Path::new(&origin))
+        .map(|m| PyManifest::from(&m))
+        .map_err(|e| crate::errors::to_py(py, e))
+}

@@ -4,7 +4,6 @@ use std::path::PathBuf;
 
 use drt_core::append::AppendSession;
 use drt_core::build::BuildSession;
-use drt_core::compress::Codec;
 use drt_core::metadata::MetadataSave;
 use drt_core::store::Store;
 use drt_core::writer::WriteOptions;
@@ -28,6 +27,12 @@ pub fn validate_name(py: Python<'_>, name: &str) -> PyResult<()> {
 #[pyfunction]
 pub fn metadata_file(version: u32) -> String {
     drt_core::format::Manifest::metadata_file(version)
+}
+
+/// The path of the directory of part `number` (1 for the first) within a cache's directory.
+#[pyfunction]
+pub fn part_dir(number: usize) -> String {
+    drt_core::format::Manifest::part_dir(number)
 }
 
 /// The path of the loader plan of metadata version `version` within a cache's directory.
@@ -177,11 +182,7 @@ impl PyStore {
         compression_level: Option<i32>,
     ) -> PyResult<PyCacheBuilder> {
         let session = run(py, || {
-            let opts = WriteOptions {
-                shard_size,
-                alignment,
-                compression: Codec::parse(compression, compression_level)?,
-            };
+            let opts = WriteOptions::parse(shard_size, alignment, compression, compression_level)?;
             lock.get()
                 .with(|held| BuildSession::begin(&self.inner, held, opts))
         })?;

@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 
-use drt_core::prefetch::SourceOptions;
 use drt_core::schedule::Schedule;
 use drt_core::tokens::{Cursor, TokenStream};
 use pyo3::buffer::{Element, PyBuffer};
@@ -10,7 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::errors::run;
-use crate::loader::open_source;
+use crate::loader::Epoch;
 use crate::program::PyProgram;
 
 /// A cursor as Python holds it: `(draw, offset, token)`.
@@ -45,18 +44,17 @@ fn writable<T: Element>(buffer: &PyBuffer<T>, name: &str) -> PyResult<(usize, us
 
 #[pymethods]
 impl PyTokenStream {
-    /// The token stream of epoch `epoch` of a loader's plan, whose program places the epoch's
-    /// `total` draws: documents of the lengths in file `lengths_path` (one little-endian u32
-    /// per plan row), each followed by `separator`.
+    /// The token stream of epoch `epoch` of a loader's plan (one holding each row's token
+    /// count), whose program places the epoch's `total` draws: its documents, each followed
+    /// by `separator`.
     #[new]
-    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, lengths_path, *, seed, epoch, total, separator, verify, program=None))]
+    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, *, seed, epoch, total, separator, verify, program=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         plan_path: PathBuf,
         cache_dirs: Vec<PathBuf>,
         cache_ids: Vec<String>,
-        lengths_path: PathBuf,
         seed: u64,
         epoch: u64,
         total: u64,
@@ -64,24 +62,17 @@ impl PyTokenStream {
         verify: bool,
         program: Option<&PyProgram>,
     ) -> PyResult<Self> {
-        let options = SourceOptions {
-            seed,
-            epoch,
-            verify,
-            views: false,
-        };
-        let program = program.map(|p| p.inner.clone());
+        let source = Epoch::new(
+            plan_path,
+            cache_dirs,
+            cache_ids,
+            program,
+            (seed, epoch, verify, false),
+        );
         let inner = run(py, || {
             let schedule = Schedule::new(total, 0, 0, 1, 1, false)?;
-            let source = open_source(
-                &plan_path,
-                &cache_dirs,
-                &cache_ids,
-                schedule,
-                options,
-                program,
-            )?;
-            TokenStream::new(source, &lengths_path, separator)
+            let source = source.open(schedule)?;
+            TokenStream::new(source, separator)
         })?;
         Ok(Self { inner })
     }
