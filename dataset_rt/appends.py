@@ -148,7 +148,7 @@ def append(
                     pl.col("sample_id") + session.first
                 )
                 table = _appended_table(live, added, name)
-                write_version(session.metadata_path, session.plan_path, table, cache.serializer)
+                write_version(session, table, cache.serializer)
                 session.commit(parts)
             ok = True
         finally:

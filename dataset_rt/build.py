@@ -334,7 +334,7 @@ def _build(
         )
         bar.settle(count)
         frame = collector.frame(builder.cache_id, builder.num_samples)
-        write_version(builder.metadata_path, builder.plan_path, frame, ser_name)
+        write_version(builder, frame, ser_name)
         builder.finish(ser_name)
         ok = True
     finally:
@@ -366,7 +366,7 @@ def _build_parallel(
             _native.part_dir,
         )
         frame = collector.frame(builder.cache_id, n)
-        write_version(builder.metadata_path, builder.plan_path, frame, ser_name)
+        write_version(builder, frame, ser_name)
         builder.finish(ser_name, parts)
         ok = True
     finally:

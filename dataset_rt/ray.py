@@ -250,7 +250,7 @@ class _CacheDatasink(Datasink[_TaskResult]):
             if f"{_native.PARTS_DIR}/{leftover.name}" not in kept:
                 shutil.rmtree(leftover)
         frame = collector.frame(builder.cache_id, first)
-        write_version(builder.metadata_path, builder.plan_path, frame, "pickle")
+        write_version(builder, frame, "pickle")
         builder.finish("pickle", parts)
         self.committed = True
 

@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +29,9 @@ from dataset_rt.errors import (
     StaleCacheError,
 )
 from dataset_rt.metadata import checked_edit, checked_scan, token_lengths
-from dataset_rt.roots import PathLike
+
+VersionSession = _native.CacheBuilder | _native.AppendSession | _native.MetadataSave
+"""The engine's transactions that write a metadata version."""
 
 if TYPE_CHECKING:
     from dataset_rt.fetch import LocalCopy
@@ -283,34 +286,44 @@ class MetadataVersions:
                     f"cache {self.name!r} was rebuilt since it was opened; nothing was saved"
                 ) from exc
             try:
-                write_version(save.path, save.plan_path, checked, self.serializer)
+                write_version(save, checked, self.serializer)
             except BaseException as exc:
                 save.discard()
                 if isinstance(exc, OSError | pl.exceptions.PolarsError):
-                    raise _io_error(exc, save.path) from exc
+                    raise _io_error(exc, save.metadata_path) from exc
                 raise
             version = save.commit()
         self._metadata = (version, checked)
         return version
 
 
-def write_version(
-    table_path: PathLike, plan_path: PathLike, frame: pl.DataFrame, serializer: str
-) -> None:
+def write_version(session: VersionSession, frame: pl.DataFrame, serializer: str) -> None:
     """Writes a metadata version about to be committed: its table, and the plan saved with it.
 
-    The plan (none for an empty table) is the one a shuffled loader over the table would
-    write for itself, byte for byte: a loader made from :meth:`Cache.scan` maps it instead.
-    A token cache's plan (``serializer`` ``tokens...``) holds the documents' lengths too,
-    when the table has them, for a packed loader.
+    ``session`` is the engine's transaction (a build, an append or a metadata save), which
+    names the table's file and writes the plan, hashing it as it goes. The plan (none for an
+    empty table) is the one a shuffled loader over the table would write for itself, byte
+    for byte: a loader made from :meth:`Cache.scan` maps it instead. A token cache's plan
+    (``serializer`` ``tokens...``) holds the documents' lengths too, when the table has them,
+    for a packed loader.
     """
-    frame.write_parquet(Path(table_path))
+    path = session.metadata_path
     if not frame.height:
+        frame.write_parquet(path)
         return
     columns = frame.select(pl.col("sample_id").cast(pl.Int64), pl.col("weight").cast(pl.Float64))
     if serializer.startswith("tokens") and "length" in frame.columns:
         columns = columns.with_columns(token_lengths(frame))
-    _native.write_plan(plan_path, columns, 1, True)
+    # Both writes release the GIL: the plan (its alias table, its hash and its flush to
+    # disk) is written on a thread while Polars writes the table.
+    with ThreadPoolExecutor(1, thread_name_prefix="drt-plan") as pool:
+        plan = pool.submit(session.write_plan, columns)
+        try:
+            frame.write_parquet(path)
+        except BaseException:
+            plan.exception()  # the session is not left mid-write; the table's error counts
+            raise
+        plan.result()
 
 
 def _io_error(exc: BaseException, path: Path) -> CacheIOError:

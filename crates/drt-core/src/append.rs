@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, IoContext, Result};
 use crate::faults::crash_point;
 use crate::format::{new_cache_id, sync_dir, Manifest, Part, PARTS_DIR};
-use crate::metadata::{current, MetadataSave};
+use crate::metadata::{current, MetadataSave, VersionPlan};
 use crate::store::{BuildLock, Store};
 use crate::write_behind::WriteBehind;
 use crate::writer::{CacheWriter, WriteOptions};
@@ -103,9 +103,9 @@ impl AppendSession {
         self.save.path()
     }
 
-    /// Where the caller may write the new version's loader plan.
-    pub fn plan_path(&self) -> &Path {
-        self.save.plan_path()
+    /// The new version's loader plan, to write before [`commit`](Self::commit).
+    pub fn plan(&mut self) -> &mut VersionPlan {
+        self.save.plan()
     }
 
     /// Appends one serialized record; returns its sample id in the cache.

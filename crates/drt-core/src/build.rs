@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, IoContext, Result};
 use crate::faults::crash_point;
 use crate::format::{new_cache_id, sync_file, Manifest, Part};
-use crate::metadata::FIRST_VERSION;
+use crate::metadata::{VersionPlan, FIRST_VERSION};
 use crate::store::{BuildLock, Store};
 use crate::write_behind::WriteBehind;
 use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};
@@ -22,6 +22,7 @@ pub struct BuildSession {
     dir: PathBuf,
     cache_id: String,
     writer: Option<WriteBehind>,
+    plan: VersionPlan,
 }
 
 impl BuildSession {
@@ -35,6 +36,7 @@ impl BuildSession {
         });
         match started {
             Ok((cache_id, writer)) => Ok(Self {
+                plan: VersionPlan::new(dir.join(Manifest::plan_file(FIRST_VERSION))),
                 store: store.clone(),
                 name: lock.name().to_string(),
                 dir,
@@ -74,10 +76,9 @@ impl BuildSession {
         self.dir.join(Manifest::metadata_file(FIRST_VERSION))
     }
 
-    /// Where the caller may write the first version's loader plan before
-    /// [`finish`](Self::finish) (see [`crate::plan`]).
-    pub fn plan_path(&self) -> PathBuf {
-        self.dir.join(Manifest::plan_file(FIRST_VERSION))
+    /// The first version's loader plan, to write before [`finish`](Self::finish).
+    pub fn plan(&mut self) -> &mut VersionPlan {
+        &mut self.plan
     }
 
     /// Appends one serialized record; returns its sample id.
@@ -107,15 +108,16 @@ impl BuildSession {
             serializer,
             metadata_version: FIRST_VERSION,
             parts,
+            plan_digest: self.plan.digest(),
         };
-        let (table, plan) = (self.metadata_path(), self.plan_path());
+        let table = self.metadata_path();
         let published = (|| {
             if table.is_file() {
                 crash_point("build-metadata-written");
                 sync_file(&table)?;
             }
-            if plan.is_file() {
-                sync_file(&plan)?;
+            if self.plan.digest().is_some() {
+                sync_file(self.plan.path())?;
             }
             writer.finish(info)?;
             self.store.publish(lock, &self.dir)

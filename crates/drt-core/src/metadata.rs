@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, IoContext, Result};
 use crate::faults::crash_point;
 use crate::format::{checksum_hex, file_checksum, sync_dir, sync_file, Manifest, METADATA_DIR};
+use crate::plan::Plan;
 use crate::store::{BuildLock, Store};
 
 /// The version a freshly built cache's table has.
@@ -84,8 +85,49 @@ pub struct MetadataSave {
     cache_id: String,
     version: u32,
     tmp: PathBuf,
-    plan_tmp: PathBuf,
+    plan: VersionPlan,
     open: bool,
+}
+
+/// The loader plan of a metadata version being written (see [`crate::plan`]): what a
+/// shuffled loader over the version's table would write for itself, which loaders over the
+/// version then map. Each session that writes a version (a build, an append, a save) holds
+/// one; its commit records the digest the plan was hashed with as it was written.
+#[derive(Debug)]
+pub struct VersionPlan {
+    path: PathBuf,
+    digest: Option<u64>,
+}
+
+impl VersionPlan {
+    pub(crate) fn new(path: PathBuf) -> Self {
+        Self { path, digest: None }
+    }
+
+    /// Writes the plan of one cache's rows `sample_ids`, drawn by `weights`, with token
+    /// documents' `lengths`, and flushes it to disk (the commit's own flush then finds
+    /// nothing left to write).
+    pub fn write(
+        &mut self,
+        sample_ids: &[u64],
+        weights: &[f64],
+        lengths: Option<&[u32]>,
+    ) -> Result<()> {
+        self.digest = None;
+        let digest = Plan::write(&self.path, sample_ids, None, Some(weights), lengths)?;
+        sync_file(&self.path)?;
+        self.digest = Some(digest);
+        Ok(())
+    }
+
+    /// The digest of the plan as written; None until it is.
+    pub(crate) fn digest(&self) -> Option<u64> {
+        self.digest
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
 }
 
 impl MetadataSave {
@@ -118,7 +160,7 @@ impl MetadataSave {
             cache_id: cache_id.to_string(),
             version,
             tmp: temporary(&cache_dir, &Manifest::metadata_file(version)),
-            plan_tmp: temporary(&cache_dir, &Manifest::plan_file(version)),
+            plan: VersionPlan::new(temporary(&cache_dir, &Manifest::plan_file(version))),
             open: true,
         })
     }
@@ -128,9 +170,9 @@ impl MetadataSave {
         &self.tmp
     }
 
-    /// Where the caller may write the new version's loader plan (see [`crate::plan`]).
-    pub fn plan_path(&self) -> &Path {
-        &self.plan_tmp
+    /// The new version's loader plan, to write before the commit.
+    pub fn plan(&mut self) -> &mut VersionPlan {
+        &mut self.plan
     }
 
     /// The version the table becomes.
@@ -176,10 +218,9 @@ impl MetadataSave {
             }
             crash_point("metadata-written");
             sync_file(&self.tmp)?;
-            let with_plan = self.plan_tmp.is_file();
-            if with_plan {
-                sync_file(&self.plan_tmp)?;
-                std::fs::rename(&self.plan_tmp, &plan).at(&plan)?;
+            if self.plan.digest().is_some() {
+                sync_file(self.plan.path())?;
+                std::fs::rename(self.plan.path(), &plan).at(&plan)?;
             }
             std::fs::rename(&self.tmp, &file).at(&file)?;
             sync_dir(file.parent().unwrap_or(&dir))?;
@@ -192,8 +233,7 @@ impl MetadataSave {
             manifest
                 .metadata_checksums
                 .insert(self.version, checksum_hex(digest));
-            if with_plan {
-                let (_, digest) = file_checksum(&plan)?;
+            if let Some(digest) = self.plan.digest() {
                 manifest
                     .plan_checksums
                     .insert(self.version, checksum_hex(digest));
@@ -201,7 +241,7 @@ impl MetadataSave {
             manifest.write(&dir)
         })();
         if committed.is_err() {
-            for path in [&self.tmp, &self.plan_tmp, &file, &plan] {
+            for path in [&self.tmp, self.plan.path(), &file, &plan] {
                 let _ = std::fs::remove_file(path);
             }
         }
@@ -211,7 +251,7 @@ impl MetadataSave {
     /// Removes the table written so far; the live version is untouched.
     pub fn discard(&mut self) -> Result<()> {
         self.open = false;
-        for path in [&self.tmp, &self.plan_tmp] {
+        for path in [&self.tmp, self.plan.path()] {
             match std::fs::remove_file(path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).at(path),
                 _ => {}
@@ -225,7 +265,7 @@ impl Drop for MetadataSave {
     fn drop(&mut self) {
         if self.open {
             let _ = std::fs::remove_file(&self.tmp);
-            let _ = std::fs::remove_file(&self.plan_tmp);
+            let _ = std::fs::remove_file(self.plan.path());
         }
     }
 }

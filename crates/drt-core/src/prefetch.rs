@@ -565,6 +565,7 @@ mod tests {
             serializer: "pickle".into(),
             metadata_version: 1,
             parts: Vec::new(),
+            plan_digest: None,
         })
         .unwrap();
         CacheReader::open(dir).unwrap()

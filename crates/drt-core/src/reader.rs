@@ -446,6 +446,7 @@ pub(crate) mod tests {
             serializer: "pickle".into(),
             metadata_version: 1,
             parts: Vec::new(),
+            plan_digest: None,
         })
         .unwrap()
     }

@@ -197,6 +197,7 @@ mod tests {
                 serializer: "pickle".into(),
                 metadata_version: 1,
                 parts: Vec::new(),
+                plan_digest: None,
             })
             .unwrap();
         assert_eq!(manifest.num_samples, 3000);

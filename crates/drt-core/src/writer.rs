@@ -100,6 +100,8 @@ pub struct ManifestInfo {
     /// Parts other writers put in the build directory (paths relative to it), whose
     /// records follow this writer's.
     pub parts: Vec<Part>,
+    /// The digest of the version's loader plan, as it was written (None: no plan).
+    pub plan_digest: Option<u64>,
 }
 
 struct OpenShard {
@@ -297,10 +299,8 @@ impl CacheWriter {
             ));
         }
         let (_, metadata_digest) = crate::format::file_checksum(&metadata)?;
-        let plan = self.dir.join(Manifest::plan_file(info.metadata_version));
         let mut plan_checksums = std::collections::BTreeMap::new();
-        if plan.is_file() {
-            let (_, plan_digest) = crate::format::file_checksum(&plan)?;
+        if let Some(plan_digest) = info.plan_digest {
             plan_checksums.insert(info.metadata_version, checksum_hex(plan_digest));
         }
         let written = self.finish_part()?;

@@ -49,6 +49,7 @@ fn build(dir: &Path) -> Manifest {
             serializer: "pickle".into(),
             metadata_version: 1,
             parts: Vec::new(),
+            plan_digest: None,
         })
         .unwrap()
 }

@@ -76,14 +76,14 @@ fn a_lost_plan_is_put_back_only_from_a_copy_with_its_recorded_checksum() {
     let mut session = BuildSession::begin(&store, &lock, WriteOptions::default()).unwrap();
     session.append(b"record").unwrap();
     std::fs::write(session.metadata_path(), b"table").unwrap();
-    std::fs::write(session.plan_path(), b"the plan").unwrap();
+    session.plan().write(&[0], &[1.0], None).unwrap();
     let id = session.cache_id().to_string();
     session.finish(&lock, "pickle".into()).unwrap();
     let plan = store
         .cache_dir("planned")
         .unwrap()
         .join("metadata/v00001.plan");
-    assert_eq!(std::fs::read(&plan).unwrap(), b"the plan");
+    let written = std::fs::read(&plan).unwrap();
     std::fs::remove_file(&plan).unwrap();
 
     let other = root.path().join("other");
@@ -91,13 +91,13 @@ fn a_lost_plan_is_put_back_only_from_a_copy_with_its_recorded_checksum() {
     assert!(!restore_plan(&store, &lock, &id, 1, &other).unwrap());
     assert!(!plan.exists());
     let same = root.path().join("same");
-    std::fs::write(&same, b"the plan").unwrap();
+    std::fs::write(&same, &written).unwrap();
     assert!(
         !restore_plan(&store, &lock, &id, 2, &same).unwrap(),
         "no such version"
     );
     assert!(restore_plan(&store, &lock, &id, 1, &same).unwrap());
-    assert_eq!(std::fs::read(&plan).unwrap(), b"the plan");
+    assert_eq!(std::fs::read(&plan).unwrap(), written);
     let leftovers: Vec<_> = std::fs::read_dir(plan.parent().unwrap())
         .unwrap()
         .filter_map(|e| e.ok())

@@ -10,6 +10,7 @@ use drt_core::writer::WriteOptions;
 use pyo3::prelude::*;
 
 use crate::errors::{run, to_py};
+use crate::loader::write_version_plan;
 use crate::lock::PyBuildLock;
 
 /// Records at least this long are copied into the write-behind batch with the GIL released.
@@ -76,10 +77,12 @@ impl PyCacheBuilder {
         self.session.metadata_path()
     }
 
-    /// Where the first version's loader plan may be written before `finish`.
-    #[getter]
-    fn plan_path(&self) -> PathBuf {
-        self.session.plan_path()
+    /// Writes the first version's loader plan before `finish`, from a frame of `sample_id`,
+    /// `weight` and (token caches) `length`.
+    fn write_plan(&mut self, py: Python<'_>, frame: &Bound<'_, PyAny>) -> PyResult<()> {
+        write_version_plan(py, frame, |ids, weights, lengths| {
+            self.session.plan().write(ids, weights, lengths)
+        })
     }
 
     /// Appends one serialized record; returns its sample id.
@@ -144,10 +147,11 @@ impl PyAppendSession {
         self.session.metadata_path().to_path_buf()
     }
 
-    /// Where the new version's loader plan may be written before `commit`.
-    #[getter]
-    fn plan_path(&self) -> PathBuf {
-        self.session.plan_path().to_path_buf()
+    /// Writes the new version's loader plan before `commit` (see `CacheBuilder.write_plan`).
+    fn write_plan(&mut self, py: Python<'_>, frame: &Bound<'_, PyAny>) -> PyResult<()> {
+        write_version_plan(py, frame, |ids, weights, lengths| {
+            self.session.plan().write(ids, weights, lengths)
+        })
     }
 
     /// Appends one serialized record; returns its sample id in the cache.

@@ -1,10 +1,12 @@
 //! The loader's native side: writing its plan, its schedule, and batches read ahead.
 
+use std::borrow::Cow;
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use arrow_array::types::{Float64Type, UInt32Type};
+use arrow_array::RecordBatch;
 use drt_core::format::OOB_MAGIC;
 use drt_core::mapping::Span;
 use drt_core::plan::Plan;
@@ -18,6 +20,29 @@ use pyo3::types::{PyBytes, PyList, PyMemoryView};
 use crate::arrow::{index_column, primitive_column, read_arrow};
 use crate::errors::{run, to_py};
 use crate::program::PyProgram;
+
+/// Writes a metadata version's loader plan with `write(sample_ids, weights, lengths)`, the
+/// GIL released, from a frame of `sample_id` (Int64 or UInt64), `weight` (Float64) and, for
+/// token documents, `length` (UInt32), read in place from its Arrow buffers.
+pub fn write_version_plan<F>(py: Python<'_>, frame: &Bound<'_, PyAny>, write: F) -> PyResult<()>
+where
+    F: FnOnce(&[u64], &[f64], Option<&[u32]>) -> drt_core::Result<()> + Send,
+{
+    let batches = read_arrow(frame)?;
+    let sample_ids = index_column(&batches, "sample_id")?;
+    let weights = primitive_column::<Float64Type>(&batches, "weight")?;
+    let lengths = optional_lengths(&batches)?;
+    run(py, || write(&sample_ids, &weights, lengths.as_deref()))
+}
+
+/// The frame's `length` column (UInt32), if it has one.
+fn optional_lengths(batches: &[RecordBatch]) -> PyResult<Option<Cow<'_, [u32]>>> {
+    let has = batches
+        .first()
+        .is_some_and(|b| b.schema().column_with_name("length").is_some());
+    has.then(|| primitive_column::<UInt32Type>(batches, "length"))
+        .transpose()
+}
 
 /// Writes a loader plan from a frame with `sample_id` (Int64 or UInt64, non-negative),
 /// `cache` (UInt32, when there are several caches), `weight` (Float64, when `weighted`) and,
@@ -43,14 +68,7 @@ pub fn write_plan(
     } else {
         None
     };
-    let has_lengths = batches
-        .first()
-        .is_some_and(|b| b.schema().column_with_name("length").is_some());
-    let lengths = if has_lengths {
-        Some(primitive_column::<UInt32Type>(&batches, "length")?)
-    } else {
-        None
-    };
+    let lengths = optional_lengths(&batches)?;
     let digest = run(py, || {
         Plan::write(
             &path,

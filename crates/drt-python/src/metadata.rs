@@ -7,6 +7,7 @@ use drt_core::metadata::MetadataSave;
 use pyo3::prelude::*;
 
 use crate::errors::run;
+use crate::loader::write_version_plan;
 use crate::lock::PyBuildLock;
 
 /// The file of metadata version `version` in cache directory `cache_dir`, after checking it
@@ -50,14 +51,15 @@ impl PyMetadataSave {
 impl PyMetadataSave {
     /// Where to write the new table.
     #[getter]
-    fn path(&self) -> PathBuf {
+    fn metadata_path(&self) -> PathBuf {
         self.save.path().to_path_buf()
     }
 
-    /// Where the new version's loader plan may be written.
-    #[getter]
-    fn plan_path(&self) -> PathBuf {
-        self.save.plan_path().to_path_buf()
+    /// Writes the new version's loader plan before `commit` (see `CacheBuilder.write_plan`).
+    fn write_plan(&mut self, py: Python<'_>, frame: &Bound<'_, PyAny>) -> PyResult<()> {
+        write_version_plan(py, frame, |ids, weights, lengths| {
+            self.save.plan().write(ids, weights, lengths)
+        })
     }
 
     /// The version the table becomes.
