@@ -20,6 +20,7 @@ __all__ = [
     "CacheBuilder",
     "CacheReader",
     "Columns",
+    "Epoch",
     "Manifest",
     "MappedRecord",
     "MetadataSave",
@@ -70,16 +71,7 @@ def parse_manifest(raw: bytes, origin: str) -> Manifest: ...
 def part_dir(number: int) -> str: ...
 def register_fetcher(path: str | PathLike[str], fetch: Callable[[str], object]) -> None: ...
 def unregister_fetcher(path: str | PathLike[str]) -> bool: ...
-def epoch_shards(
-    plan_path: str | PathLike[str],
-    cache_dirs: list[str],
-    cache_ids: list[str],
-    schedule: Schedule,
-    *,
-    seed: int,
-    epoch: int,
-    program: Program | None = None,
-) -> list[tuple[int, str, int]]: ...
+def epoch_shards(epoch: Epoch, schedule: Schedule) -> list[tuple[int, str, int]]: ...
 def relocate_part(part: str, old_dir: str, new_dir: str) -> str: ...
 def checked_metadata_table(
     cache_dir: str | PathLike[str], version: int, expected: str | None = None
@@ -117,19 +109,7 @@ class Program:
 
 @final
 class TokenStream:
-    def __new__(
-        cls,
-        plan_path: str | PathLike[str],
-        cache_dirs: list[str],
-        cache_ids: list[str],
-        *,
-        seed: int,
-        epoch: int,
-        total: int,
-        separator: int | None,
-        verify: bool,
-        program: Program | None = None,
-    ) -> TokenStream: ...
+    def __new__(cls, epoch: Epoch, *, total: int, separator: int | None) -> TokenStream: ...
     def advance(self, at: tuple[int, int, int], n: int) -> tuple[int, int, int]: ...
     def pieces(
         self, start: tuple[int, int, int], rows: int, stride: int, width: int
@@ -376,22 +356,24 @@ class MappedRecord:
 @final
 class Prefetcher:
     def __new__(
-        cls,
-        plan_path: str | PathLike[str],
-        cache_dirs: list[str],
-        cache_ids: list[str],
-        schedule: Schedule,
-        *,
-        seed: int,
-        epoch: int,
-        first: int,
-        step: int,
-        depth: int,
-        verify: bool,
-        views: bool,
-        program: Program | None = None,
+        cls, epoch: Epoch, schedule: Schedule, first: int, step: int, depth: int
     ) -> Prefetcher: ...
     def __iter__(self) -> Prefetcher: ...
     def __next__(self) -> Batch: ...
     @property
     def ready(self) -> int: ...
+
+@final
+class Epoch:
+    def __new__(
+        cls,
+        plan_path: str | PathLike[str],
+        cache_dirs: list[str],
+        cache_ids: list[str],
+        *,
+        seed: int,
+        epoch: int,
+        verify: bool = False,
+        views: bool = False,
+        program: Program | None = None,
+    ) -> Epoch: ...

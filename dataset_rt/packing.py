@@ -42,17 +42,16 @@ class Steps:
     def stream(self) -> _native.TokenStream:
         """The epoch's token stream, opened in this process."""
         seed, epoch, total, separator, verify = self.draws
-        return _native.TokenStream(
+        epoch_of = _native.Epoch(
             self.plan,
             list(self.cache_dirs),
             list(self.cache_ids),
             seed=seed,
             epoch=epoch,
-            total=total,
-            separator=separator,
             verify=verify,
             program=self.program,
         )
+        return _native.TokenStream(epoch_of, total=total, separator=separator)
 
     def batches(
         self, head: Cursor, last: int, worker: int = 0, workers: int = 1

@@ -50,6 +50,21 @@ class LoaderSpec:
     """The weights of each draw over the run (a schedule, re-weights); None: the plan's own
     table for every draw."""
 
+    def epoch(self, epoch: int) -> _native.Epoch:
+        """What every native reader of ``epoch`` opens: the plan, caches, draws and program."""
+        return _native.Epoch(
+            self.plan,
+            list(self.cache_dirs),
+            list(self.cache_ids),
+            seed=self.seed,
+            epoch=epoch,
+            verify=self.verify,
+            # Records with large out-of-band arrays are not copied into the batch: their
+            # arrays view the shard, and collating is their one copy.
+            views=self.views,
+            program=self.program,
+        )
+
     def batches(
         self, schedule: _native.Schedule, epoch: int, first: int, step: int
     ) -> _native.Prefetcher:
@@ -57,22 +72,7 @@ class LoaderSpec:
         for remote in self.remotes:
             if remote is not None:
                 remote.attach()  # before the readers open: they fetch their shards through it
-        return _native.Prefetcher(
-            self.plan,
-            list(self.cache_dirs),
-            list(self.cache_ids),
-            schedule,
-            seed=self.seed,
-            epoch=epoch,
-            first=first,
-            step=step,
-            depth=self.depth,
-            verify=self.verify,
-            # Records with large out-of-band arrays are not copied into the batch: their
-            # arrays view the shard, and collating is their one copy.
-            views=self.views,
-            program=self.program,
-        )
+        return _native.Prefetcher(self.epoch(epoch), schedule, first, step, self.depth)
 
     def shard_prefetch(self, schedule: _native.Schedule, epoch: int) -> ShardPrefetch | None:
         """Starts fetching the remote shards ``epoch`` reads ahead of its batches; None if none.
@@ -84,15 +84,7 @@ class LoaderSpec:
         from dataset_rt.transfers import ShardPrefetch
 
         copies = [None if r is None else r.attach() for r in self.remotes]
-        order = _native.epoch_shards(
-            self.plan,
-            list(self.cache_dirs),
-            list(self.cache_ids),
-            schedule,
-            seed=self.seed,
-            epoch=epoch,
-            program=self.program,
-        )
+        order = _native.epoch_shards(self.epoch(epoch), schedule)
         fetched = [(copy, file, batch) for code, file, batch in order if (copy := copies[code])]
         limits = [r.local_limit for r in self.remotes if r is not None and r.local_limit]
         budget = min(limits) // 2 if limits else None

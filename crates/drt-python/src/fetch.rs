@@ -10,7 +10,6 @@ use pyo3::prelude::*;
 
 use crate::errors::run;
 use crate::loader::{Epoch, PySchedule};
-use crate::program::PyProgram;
 
 /// A Python callable `fetch(file)`, called with the GIL from whichever thread reads the shard.
 struct PyFetcher {
@@ -39,28 +38,15 @@ pub fn unregister_fetcher(path: PathBuf) -> bool {
     drt_core::fetch::unregister(&path)
 }
 
-/// The shards that the batches of `schedule` read, in the order they are first needed, each
-/// once: `(cache, file, batch)`, `file` relative to `cache_dirs[cache]`, `batch` the first
-/// batch that reads it.
+/// The shards that the batches of `schedule` of `epoch` read, in the order they are first
+/// needed, each once: `(cache, file, batch)`, `file` relative to its cache's directory,
+/// `batch` the first batch that reads it.
 #[pyfunction]
-#[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, *, seed, epoch, program=None))]
-#[allow(clippy::too_many_arguments)]
 pub fn epoch_shards(
     py: Python<'_>,
-    plan_path: PathBuf,
-    cache_dirs: Vec<PathBuf>,
-    cache_ids: Vec<String>,
+    epoch: &Epoch,
     schedule: &PySchedule,
-    seed: u64,
-    epoch: u64,
-    program: Option<&PyProgram>,
 ) -> PyResult<Vec<(u32, String, u64)>> {
-    let source = Epoch::new(
-        plan_path,
-        cache_dirs,
-        cache_ids,
-        program,
-        (seed, epoch, false, false),
-    );
-    run(py, || source.open(schedule.inner)?.shards_in_order())
+    let schedule = schedule.inner;
+    run(py, || epoch.open(schedule)?.shards_in_order())
 }

@@ -51,6 +51,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reader::PyCacheReader>()?;
     m.add_class::<manifest::PyManifest>()?;
     m.add_class::<loader::PySchedule>()?;
+    m.add_class::<loader::Epoch>()?;
     m.add_class::<loader::PyBatch>()?;
     m.add_class::<loader::PyMappedRecord>()?;
     m.add_class::<loader::PyPrefetcher>()?;

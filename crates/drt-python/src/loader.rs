@@ -92,9 +92,12 @@ pub fn plan_rows(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u32, bool, Opt
     })
 }
 
-/// What a loader's reading of one epoch opens: its plan, its caches (`dirs[i]` holding build
-/// `ids[i]`), the draws' options and, when its weights change with progress, its sampling
-/// program. Every native reader of an epoch (batches, shards, token streams) takes these.
+/// What a loader's reading of one epoch opens: its plan, its caches (`cache_dirs[i]`
+/// holding build `cache_ids[i]`), the draws' seed and epoch, whether records are checked
+/// (`verify`) and large buffers read in place (`views`) and, when its weights change with
+/// progress, its sampling program. Every native reader of an epoch (batches, the shards it
+/// reads, token streams) is opened from one.
+#[pyclass(name = "Epoch", module = "dataset_rt._native", frozen)]
 pub struct Epoch {
     plan: PathBuf,
     dirs: Vec<PathBuf>,
@@ -103,20 +106,25 @@ pub struct Epoch {
     program: Option<Arc<Program>>,
 }
 
+#[pymethods]
 impl Epoch {
-    /// The epoch of `plan` over caches `dirs` (holding builds `ids`), drawn with `(seed,
-    /// epoch)`, checking records with `verify`, reading large buffers in place with `views`.
-    pub fn new(
-        plan: PathBuf,
-        dirs: Vec<PathBuf>,
-        ids: Vec<String>,
+    #[new]
+    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, *, seed, epoch, verify=false, views=false, program=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        plan_path: PathBuf,
+        cache_dirs: Vec<PathBuf>,
+        cache_ids: Vec<String>,
+        seed: u64,
+        epoch: u64,
+        verify: bool,
+        views: bool,
         program: Option<&PyProgram>,
-        (seed, epoch, verify, views): (u64, u64, bool, bool),
     ) -> Self {
         Self {
-            plan,
-            dirs,
-            ids,
+            plan: plan_path,
+            dirs: cache_dirs,
+            ids: cache_ids,
             options: SourceOptions {
                 seed,
                 epoch,
@@ -126,7 +134,9 @@ impl Epoch {
             program: program.map(|p| p.inner.clone()),
         }
     }
+}
 
+impl Epoch {
     /// The epoch's source, its draws placed by `schedule`.
     pub fn open(&self, schedule: Schedule) -> drt_core::Result<Source> {
         let source = Source::open(&self.plan, &self.dirs, &self.ids, schedule, self.options)?;
@@ -474,37 +484,20 @@ impl Drop for PyPrefetcher {
 
 #[pymethods]
 impl PyPrefetcher {
-    /// Starts reading batches `first, first + step, ...` of `schedule` on a native thread.
-    /// `cache_dirs[i]` must hold the build `cache_ids[i]`. With `views`, records with large
-    /// out-of-band buffers stay in their mapped shard instead of being copied into the batch.
+    /// Starts reading batches `first, first + step, ...` of `schedule` of `epoch` on a native
+    /// thread.
     #[new]
-    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, schedule, *, seed, epoch, first, step, depth, verify, views, program=None))]
-    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        plan_path: PathBuf,
-        cache_dirs: Vec<PathBuf>,
-        cache_ids: Vec<String>,
+        epoch: &Epoch,
         schedule: &PySchedule,
-        seed: u64,
-        epoch: u64,
         first: u64,
         step: u64,
         depth: usize,
-        verify: bool,
-        views: bool,
-        program: Option<&PyProgram>,
     ) -> PyResult<Self> {
         let schedule = schedule.inner;
-        let source = Epoch::new(
-            plan_path,
-            cache_dirs,
-            cache_ids,
-            program,
-            (seed, epoch, verify, views),
-        );
         let prefetcher = run(py, || {
-            let source = source.open(schedule)?;
+            let source = epoch.open(schedule)?;
             let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
             Prefetcher::start(source, numbers, depth)
         })?;

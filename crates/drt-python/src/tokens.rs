@@ -1,7 +1,5 @@
 //! Token streams: one epoch's documents joined and cut into rows of a NumPy batch.
 
-use std::path::PathBuf;
-
 use drt_core::schedule::Schedule;
 use drt_core::tokens::{Cursor, TokenStream};
 use pyo3::buffer::{Element, PyBuffer};
@@ -10,7 +8,6 @@ use pyo3::prelude::*;
 
 use crate::errors::run;
 use crate::loader::Epoch;
-use crate::program::PyProgram;
 
 /// A cursor as Python holds it: `(draw, offset, token)`.
 type CursorArgs = (u64, u64, u64);
@@ -44,34 +41,14 @@ fn writable<T: Element>(buffer: &PyBuffer<T>, name: &str) -> PyResult<(usize, us
 
 #[pymethods]
 impl PyTokenStream {
-    /// The token stream of epoch `epoch` of a loader's plan (one holding each row's token
-    /// count), whose program places the epoch's `total` draws: its documents, each followed
-    /// by `separator`.
+    /// The token stream of `epoch` (whose plan holds each row's token count), its program
+    /// placing the epoch's `total` draws: its documents, each followed by `separator`.
     #[new]
-    #[pyo3(signature = (plan_path, cache_dirs, cache_ids, *, seed, epoch, total, separator, verify, program=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        plan_path: PathBuf,
-        cache_dirs: Vec<PathBuf>,
-        cache_ids: Vec<String>,
-        seed: u64,
-        epoch: u64,
-        total: u64,
-        separator: Option<i64>,
-        verify: bool,
-        program: Option<&PyProgram>,
-    ) -> PyResult<Self> {
-        let source = Epoch::new(
-            plan_path,
-            cache_dirs,
-            cache_ids,
-            program,
-            (seed, epoch, verify, false),
-        );
+    #[pyo3(signature = (epoch, *, total, separator))]
+    fn new(py: Python<'_>, epoch: &Epoch, total: u64, separator: Option<i64>) -> PyResult<Self> {
         let inner = run(py, || {
             let schedule = Schedule::new(total, 0, 0, 1, 1, false)?;
-            let source = source.open(schedule)?;
+            let source = epoch.open(schedule)?;
             TokenStream::new(source, separator)
         })?;
         Ok(Self { inner })
