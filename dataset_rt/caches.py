@@ -335,12 +335,14 @@ def describe_compression(cache: Cache) -> str:
     return f"{codec}: {format_bytes(cache.nbytes_on_disk)} on disk ({ratio:.2f}x smaller)"
 
 
-def saved_plan(frame: object, verify: bool = False) -> tuple[Cache, str, str, int] | None:
+def saved_plan(
+    frame: object, verify: bool = False
+) -> tuple[Cache, str, str, int, int | None] | None:
     """The saved plan of the version ``frame`` scans, if it is an unchanged scan of one.
 
-    Returns (cache, plan path, digest, rows), or None: ``frame`` is not an unchanged
-    :meth:`Cache.scan`, or its version has no sound plan (checked against its checksum with
-    ``verify``).
+    Returns (cache, plan path, digest, rows, tokens: see ``_version_plan``), or None:
+    ``frame`` is not an unchanged :meth:`Cache.scan`, or its version has no sound plan
+    (checked against its checksum with ``verify``).
     """
     found = registry.saved_version(frame)
     if found is None:

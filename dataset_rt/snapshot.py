@@ -34,7 +34,7 @@ from dataset_rt.versions import local_copy
 if TYPE_CHECKING:
     from dataset_rt.fetch import RemoteSource
 
-__all__ = ["Snapshot", "decoder_of", "remote_of", "snapshot", "take"]
+__all__ = ["Snapshot", "decoder_of", "remote_of", "take"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Snapshot:
     rows: int
     program: Program | None
     """The schedule's program; None without a schedule."""
+    tokens: int | None = None
+    """The documents' tokens in all, for a plan that holds their lengths (a packed loader's)."""
 
 
 def take(
@@ -63,23 +65,23 @@ def take(
 
     Over an unchanged ``cache.scan()``, a shuffled loader without a schedule maps the plan
     saved with the version (nothing of the table is read), if it has a sound one (with
-    ``lengths``, one holding the documents' lengths). Otherwise the frame is snapshotted
-    (see :func:`snapshot`), and a scan's lost or damaged saved plan is put back from the
-    loader's own when the two are byte for byte the same.
+    ``lengths``, one holding the documents' lengths). Otherwise the loader writes a plan of
+    its own (see :func:`_own_plan`), and a scan's lost or damaged saved plan is put back from
+    it when the two are byte for byte the same.
     """
     weighted = shuffle and phases is None
     saved = saved_plan(frame, verify) if weighted else None
     if saved is not None:
-        cache, plan, digest, rows = saved
-        if not lengths or _native.plan_rows(plan)[3] is not None:
-            return Snapshot([cache], plan, digest, rows, None)
-    taken = snapshot(owner, frame, root, shuffle, phases, lengths)
+        cache, plan, digest, rows, tokens = saved
+        if not lengths or tokens is not None:
+            return Snapshot([cache], plan, digest, rows, None, tokens)
+    taken = _own_plan(owner, frame, root, shuffle, phases, lengths)
     if weighted and saved is None:
         restore_saved_plan(frame, taken.plan)
     return taken
 
 
-def snapshot(
+def _own_plan(
     owner: object,
     frame: pl.DataFrame | pl.LazyFrame,
     root: PathLike | None,
@@ -108,12 +110,14 @@ def snapshot(
     directory = scratch_dir("dataset_rt-loader-")
     weakref.finalize(owner, shutil.rmtree, directory, True)
     plan = os.path.join(directory, "plan.bin")
+    program = None
     if phases is None:
         digest = _native.write_plan(plan, plan_frame, len(caches), shuffle)
-        return Snapshot(caches, plan, digest, plan_frame.height, None)
-    digest, tables, digests = write_schedule(plan, plan_frame, len(caches), more)
-    program = schedule_program(phases, plan, digest, tables, digests)
-    return Snapshot(caches, plan, digest, plan_frame.height, program)
+    else:
+        digest, tables, digests = write_schedule(plan, plan_frame, len(caches), more)
+        program = schedule_program(phases, plan, digest, tables, digests)
+    tokens = _native.plan_rows(plan)[3] if lengths else None
+    return Snapshot(caches, plan, digest, plan_frame.height, program, tokens)
 
 
 def _columns(

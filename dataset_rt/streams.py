@@ -6,7 +6,7 @@ import functools
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -19,9 +19,6 @@ from dataset_rt.reweights import Weights, row_weights
 from dataset_rt.roots import PathLike
 from dataset_rt.serialize import TOKEN_RANGES
 from dataset_rt.snapshot import take
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["TokenLoader"]
 
@@ -124,7 +121,7 @@ class TokenLoader:
         num_samples, phases = check_draws(self._shuffle, num_samples, schedule, self._num_workers)
         self._rank, self._world_size = resolve_ranks(rank, world_size)
         taken = take(self, frame, root, self._shuffle, phases, bool(verify), lengths=True)
-        tokens = _native.plan_rows(taken.plan)[3] or 0  # the documents' tokens, in the plan
+        tokens = cast(int, taken.tokens)  # take(lengths=True) maps or writes a plan with them
         if separator is not None:
             separator = check_int("separator", separator, -(2**63), 2**63 - 1)
             for cache in taken.caches:

@@ -156,8 +156,11 @@ class MetadataVersions:
         registry.remember_version(frame, self, version)
         return frame
 
-    def _version_plan(self, version: int, verify: bool) -> tuple[str, str, int] | None:
-        """The saved plan of metadata ``version`` as (path, digest, rows), if it has a sound one.
+    def _version_plan(self, version: int, verify: bool) -> tuple[str, str, int, int | None] | None:
+        """The saved plan of metadata ``version`` as (path, digest, rows, tokens), if sound.
+
+        ``tokens`` is the documents' tokens in all, for a plan that holds their lengths (a
+        token cache's); None otherwise.
 
         A plan that is missing, or whose size does not match its header, is passed over (the
         loader then builds its own, and puts it back); so is one whose bytes fail their
@@ -171,7 +174,7 @@ class MetadataVersions:
             copy = local_copy(self.path)
             if copy is not None:  # a remote cache's plan is fetched when a loader needs it
                 copy.fetch(_native.plan_file(version))
-            rows, caches, weighted, _ = _native.plan_rows(path)
+            rows, caches, weighted, tokens = _native.plan_rows(path)
             if verify and _native.file_checksum(path)[1] != digest:
                 return None
         except StaleCacheError:
@@ -180,7 +183,7 @@ class MetadataVersions:
             return None
         if caches != 1 or not weighted:
             return None
-        return str(path), digest, rows
+        return str(path), digest, rows, tokens
 
     def _restore_plan(self, version: int, source: str) -> None:
         """Puts back the saved plan of ``version`` from ``source`` if it is the one saved.
