@@ -174,7 +174,7 @@ def bench(
 
     def native_pass(decoding: bool) -> tuple[int, int]:
         n = nbytes = 0
-        for batch in spec.batches(probe._schedule(0), 0, 0, 1):
+        for batch in spec.batches(probe._layout, 0, 0, 1):
             if decoding:
                 decode_batch(batch, spec)
             n += len(batch)

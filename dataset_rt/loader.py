@@ -134,6 +134,10 @@ class Loader:
         # the shards, so pages mapped in one epoch stay mapped for the next.
         self._caches = caches
         self._total = num_samples if num_samples is not None else self._rows
+        # The epoch's layout over ranks and batches, built once; `at(cursor)` moves it.
+        self._layout = _native.Schedule(
+            self._total, 0, self._rank, self._world_size, self._batch_size, self._drop_last
+        )
 
         if collate is None:
             collate = _default_collate()
@@ -221,19 +225,9 @@ class Loader:
             self._epoch = epoch
             self._cursor = 0
 
-    def _schedule(self, cursor: int) -> _native.Schedule:
-        return _native.Schedule(
-            self._total,
-            cursor,
-            self._rank,
-            self._world_size,
-            self._batch_size,
-            self._drop_last,
-        )
-
     def __len__(self) -> int:
         """Batches this rank yields in a whole epoch (the same on every rank)."""
-        return self._schedule(0).num_batches
+        return self._layout.num_batches
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's position: a small dict of plain values, for ``torch.save``.
@@ -375,7 +369,7 @@ class Loader:
         all_ranks
             Every rank's draws, not only this rank's.
         """
-        layout = self._schedule(0)
+        layout = self._layout
         epoch = self._epoch if epoch is None else epoch
         return seen_frame(self._spec, layout, self._weights.program, epoch, steps, all_ranks)
 
@@ -415,7 +409,7 @@ class Loader:
 
     def _batches(self) -> Generator[Any, None, None]:
         """Batches of this rank's epoch from the cursor on, with the current weights."""
-        schedule = self._schedule(self._cursor)
+        schedule = self._layout.at(self._cursor)
         if self._num_workers == 0:
             batches: Iterator[Any] = self._local(schedule)
         else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any, cast
 
 import polars as pl
 
+from dataset_rt import _native
 from dataset_rt._version_check import POLARS_2
 from dataset_rt.errors import MetadataError, WeightError
 
@@ -295,28 +295,14 @@ def check_weights(weight: pl.Series, ids: pl.Series, *, allow_empty: bool = Fals
     Raises
     ------
     WeightError
-        The column is not numeric, a weight is null, negative, NaN or infinite, or all
-        weights are zero. This is the one place the rule lives in Python; the ``.drt``
-        expressions check the same rule in Rust and raise Polars' ``ComputeError``.
+        The column is not numeric, a weight is null, negative, NaN or infinite, or the
+        weights sum to zero or overflow. The rule itself is the engine's
+        (``drt_core::weights``), the same that the ``.drt`` expressions apply.
     """
     if not (weight.dtype.is_numeric() or weight.dtype == pl.Null):
         raise WeightError(f"column 'weight' must be numeric, not {weight.dtype}")
-    weight = weight.cast(pl.Float64)
-    bad = weight.is_null() | ~weight.is_finite() | (weight < 0)
-    if bad.any():
-        raise WeightError(
-            f"weight {_first(bad, weight)} of sample_id {_first(bad, ids)} is not allowed; "
-            "weights must be finite and non-negative"
-        )
-    total = weight.sum()
-    if weight.len() == 0 and allow_empty:
-        return weight
-    if not total > 0:
-        raise WeightError(
-            "all weights are zero (or the table is empty): nothing could ever be drawn"
-        )
-    if not math.isfinite(total):
-        raise WeightError(f"weights sum to {total}; the sum must be finite")
+    weight = weight.cast(pl.Float64).alias("weight")
+    _native.check_weights(pl.DataFrame([weight, ids.alias("sample_id")]), allow_empty)
     return weight
 
 

@@ -147,16 +147,11 @@ def mix(
             raise ArgumentError(f"groups are named by strings or integers, got {group!r}")
         if isinstance(share, bool) or not isinstance(share, Real):
             raise WeightError(f"the share of group {group!r} must be a number, got {share!r}")
-        if not (math.isfinite(share) and share >= 0):
-            raise WeightError(
-                f"the share of group {group!r} is {share}; shares must be finite and non-negative"
-            )
         names.append(str(group))
         values.append(float(share))
     if len(set(names)) < len(names):
         raise ArgumentError(f"shares names a group twice (as a string and an integer): {shares!r}")
-    if not math.fsum(values) > 0:
-        raise WeightError(f"every share is zero in {shares!r}: nothing could ever be drawn")
+    _native.check_shares(names, values)
     args = [_expr(groups)]
     if weight is not None:
         args.append(_expr(weight))

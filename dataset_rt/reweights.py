@@ -357,12 +357,11 @@ def reweight_from_frame(frame: pl.DataFrame, plan: str, cache_ids: Sequence[str]
             "id": sid,
         }
     )
+    # A null weight is named here, with its cache: once matched to the loader's rows it
+    # would read as a row the frame left out.
     nulls = given.filter(pl.col("weight").is_null())
     if nulls.height:
-        raise WeightError(
-            f"reweight: weight None of {_first(nulls)} is not allowed; weights must be "
-            "finite and non-negative"
-        )
+        raise WeightError(f"reweight: weight column 'weight' is null at {_first(nulls)}")
     on = ["cache", "sample_id"]
     if given.height == keys.height and given.select(on).equals(keys):
         weights = given["weight"]  # the loader's own frame, re-weighted: rows in its order

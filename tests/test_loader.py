@@ -381,7 +381,7 @@ def test_bad_arguments_and_frames(cache: drt.Cache) -> None:
         frame.drop("weight").drt.loader(batch_size=1)
     with pytest.raises(MetadataError, match="no rows"):
         frame.head(0).drt.loader(batch_size=1)
-    with pytest.raises(WeightError, match="weight -1.0 of sample_id 0"):
+    with pytest.raises(WeightError, match="holds -1 at sample_id 0"):
         frame.with_columns(weight=pl.lit(-1.0)).drt.loader(batch_size=1)
     with pytest.raises(MetadataError, match="sample_id 300 is not a sample"):
         frame.with_columns(sample_id=pl.col("sample_id") + 1).drt.loader(batch_size=1)

@@ -154,22 +154,22 @@ _IDS = ("cache_id", "sample_id")
                 weight=pl.when(pl.col("sample_id") == 3).then(-1.0).otherwise(1.0)
             ),
             WeightError,
-            "weight -1.0 of sample_id 3",
+            "holds -1 at sample_id 3",
         ),
         (
             lambda df: df.with_columns(
                 weight=pl.when(pl.col("sample_id") == 5).then(float("nan")).otherwise(1.0)
             ),
             WeightError,
-            "weight nan of sample_id 5",
+            "holds NaN at sample_id 5",
         ),
         (
             lambda df: df.with_columns(weight=pl.lit(None, dtype=pl.Float64)),
             WeightError,
-            "weight None of sample_id 0",
+            "is null at sample_id 0",
         ),
-        (lambda df: df.with_columns(weight=pl.lit(0.0)), WeightError, "all weights are zero"),
-        (lambda df: df.head(0), WeightError, "all weights are zero"),
+        (lambda df: df.with_columns(weight=pl.lit(0.0)), WeightError, "sums to zero"),
+        (lambda df: df.head(0), WeightError, "sums to zero"),
     ],
 )
 def test_rejected_edits_write_nothing(digits: drt.Cache, edit, error, message) -> None:  # type: ignore[no-untyped-def]

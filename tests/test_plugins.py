@@ -76,6 +76,15 @@ def test_normalize_rejects_bad_weights(values: list[float | None], message: str)
     df = pl.DataFrame({"weight": values}, schema={"weight": pl.Float64})
     with pytest.raises(ComputeError, match=f"weight column 'weight' {message}"):
         df.select(pl.col("weight").drt.normalize())
+    # A cache's own weights break the same rule with the same words, naming the sample.
+    by_sample = message.replace("row", "sample_id")
+    with pytest.raises(WeightError, match=f"weight column 'weight' {by_sample}"):
+        drt.cache(
+            range(len(values)),
+            "bad-weights",
+            metadata=lambda i: {"weight": values[i]},
+            progress=False,
+        )
 
 
 def test_normalize_rejects_non_numeric_columns() -> None:

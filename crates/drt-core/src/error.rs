@@ -85,6 +85,9 @@ pub enum Error {
     /// An argument outside its allowed range.
     #[error("{0}")]
     InvalidArgument(String),
+    /// Sampling weights or shares that break the rule of [`crate::weights`].
+    #[error("{0}")]
+    Weight(String),
     /// The operation was interrupted (for example by Ctrl-C while waiting on a lock).
     #[error("interrupted")]
     Interrupted,

@@ -53,6 +53,14 @@ impl Schedule {
         })
     }
 
+    /// The same layout with its cursor at `cursor` (at most `total`).
+    pub fn at(&self, cursor: u64) -> Self {
+        Self {
+            cursor: cursor.min(self.total),
+            ..*self
+        }
+    }
+
     /// Positions this rank reads from the cursor on (the same for every rank).
     pub fn per_rank(&self) -> u64 {
         let remaining = self.total - self.cursor;

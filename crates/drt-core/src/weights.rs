@@ -2,45 +2,72 @@
 
 use crate::error::{quote, Error, Result};
 
-fn check_weight(row: usize, w: Option<f64>, column: &str) -> Result<f64> {
-    match w {
-        None => Err(Error::InvalidArgument(format!(
-            "weight column {} is null at row {row}",
-            quote(column)
-        ))),
-        Some(w) if !w.is_finite() || w < 0.0 => Err(Error::InvalidArgument(format!(
-            "weight column {} holds {w} at row {row}; weights must be finite and non-negative",
-            quote(column)
-        ))),
-        Some(w) => Ok(w),
+/// Where a column of sampling weights breaks the rule: every weight finite and
+/// non-negative, and a finite, positive sum.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fault {
+    /// The weight of this row is missing.
+    Null(usize),
+    /// The weight of this row is negative, NaN or infinite.
+    Invalid(usize, f64),
+    /// Every weight is zero, or there are none: nothing could ever be drawn.
+    Zero,
+    /// The weights each fit, but their sum does not.
+    Unbounded(f64),
+}
+
+impl Fault {
+    /// The error, naming the column and the faulty row through `row` (e.g. "row 3" or
+    /// "sample_id 17").
+    pub fn error(self, column: &str, row: impl Fn(usize) -> String) -> Error {
+        let column = quote(column);
+        Error::Weight(match self {
+            Fault::Null(r) => format!("weight column {column} is null at {}", row(r)),
+            Fault::Invalid(r, w) => format!(
+                "weight column {column} holds {w} at {}; weights must be finite and \
+                 non-negative",
+                row(r)
+            ),
+            Fault::Zero => format!(
+                "weight column {column} sums to zero (or has no rows): nothing could ever be \
+                 drawn"
+            ),
+            Fault::Unbounded(total) => format!(
+                "weight column {column} sums to {total}; the weights must sum to a finite \
+                 number"
+            ),
+        })
     }
 }
 
-fn zero_total(column: &str) -> Error {
-    Error::InvalidArgument(format!(
-        "weight column {} sums to zero; at least one row needs a positive weight",
-        quote(column)
-    ))
-}
-
-/// Checks that every weight is finite and non-negative and that they do not sum to zero;
-/// returns the sum. `column` names the column in error messages.
-pub fn checked_total(weights: impl IntoIterator<Item = Option<f64>>, column: &str) -> Result<f64> {
+/// The one rule for sampling weights: passes each checked weight to `each` and returns
+/// their sum, or the first [`Fault`].
+pub fn fold(
+    weights: impl IntoIterator<Item = Option<f64>>,
+    mut each: impl FnMut(f64),
+) -> std::result::Result<f64, Fault> {
     let mut total = 0.0;
     for (row, w) in weights.into_iter().enumerate() {
-        total += check_weight(row, w, column)?;
+        let w = w.ok_or(Fault::Null(row))?;
+        if !w.is_finite() || w < 0.0 {
+            return Err(Fault::Invalid(row, w));
+        }
+        each(w);
+        total += w;
     }
     if !total.is_finite() {
-        return Err(Error::InvalidArgument(format!(
-            "weight column {} sums to {total}; the weights must sum to a finite number",
-            quote(column)
-        )));
-    }
-    if total > 0.0 {
+        Err(Fault::Unbounded(total))
+    } else if total > 0.0 {
         Ok(total)
     } else {
-        Err(zero_total(column))
+        Err(Fault::Zero)
     }
+}
+
+/// Checks weights by the rule of [`fold`]; returns their sum. `column` names the column
+/// in error messages, and rows are named by their index.
+pub fn checked_total(weights: impl IntoIterator<Item = Option<f64>>, column: &str) -> Result<f64> {
+    fold(weights, |_| ()).map_err(|fault| fault.error(column, |r| format!("row {r}")))
 }
 
 /// Scales weights into probabilities that sum to 1.
@@ -129,21 +156,7 @@ pub fn mix(
         )));
     }
     check_base(base, group_of_row.len())?;
-    let mut total_share = 0.0;
-    for (name, &share) in names.iter().zip(shares) {
-        if !share.is_finite() || share < 0.0 {
-            return Err(Error::InvalidArgument(format!(
-                "the share of group {} is {share}; shares must be finite and non-negative",
-                quote(name)
-            )));
-        }
-        total_share += share;
-    }
-    if total_share <= 0.0 {
-        return Err(Error::InvalidArgument(
-            "every share is zero: nothing could ever be drawn".to_string(),
-        ));
-    }
+    let total_share = checked_shares(names, shares)?;
     let base_of = |i: usize| base.map_or(1.0, |b| b[i]);
     let mut totals = vec![0.0f64; shares.len()];
     let mut rows = vec![0usize; shares.len()];
@@ -192,20 +205,39 @@ pub fn mix(
         .collect())
 }
 
+/// Checks the shares of named groups: each finite and non-negative, not all zero. Returns
+/// their sum.
+pub fn checked_shares(names: &[String], shares: &[f64]) -> Result<f64> {
+    let mut total = 0.0;
+    for (name, &share) in names.iter().zip(shares) {
+        if !share.is_finite() || share < 0.0 {
+            return Err(Error::Weight(format!(
+                "the share of group {} is {share}; shares must be finite and non-negative",
+                quote(name)
+            )));
+        }
+        total += share;
+    }
+    if !total.is_finite() {
+        Err(Error::Weight(format!(
+            "the shares sum to {total}; they must sum to a finite number"
+        )))
+    } else if total > 0.0 {
+        Ok(total)
+    } else {
+        Err(Error::Weight(
+            "every share is zero: nothing could ever be drawn".to_string(),
+        ))
+    }
+}
+
 /// Kish's effective sample size `(Σw)² / Σw²`: how many equally weighted samples carry as
 /// much information as these weighted ones.
 pub fn effective_size(weights: impl IntoIterator<Item = Option<f64>>, column: &str) -> Result<f64> {
-    let (mut total, mut squares) = (0.0, 0.0);
-    for (row, w) in weights.into_iter().enumerate() {
-        let w = check_weight(row, w, column)?;
-        total += w;
-        squares += w * w;
-    }
-    if total > 0.0 {
-        Ok(total * total / squares)
-    } else {
-        Err(zero_total(column))
-    }
+    let mut squares = 0.0;
+    let total = fold(weights, |w| squares += w * w)
+        .map_err(|fault| fault.error(column, |r| format!("row {r}")))?;
+    Ok(total * total / squares)
 }
 
 #[cfg(test)]

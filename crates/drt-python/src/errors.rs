@@ -22,6 +22,7 @@ pub fn to_py(py: Python<'_>, err: Error) -> PyErr {
         Error::InvalidName { .. } => "CacheNameError",
         Error::SampleOutOfRange { .. } => "SampleIndexError",
         Error::InvalidArgument(_) => "ArgumentError",
+        Error::Weight(_) => "WeightError",
         Error::Interrupted => "DatasetRTError",
         Error::System { .. } => "CacheIOError",
         Error::Internal(_) => "InternalError",

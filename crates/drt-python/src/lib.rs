@@ -17,6 +17,7 @@ mod program;
 mod reader;
 mod store;
 mod tokens;
+mod weights;
 
 use pyo3::prelude::*;
 
@@ -70,6 +71,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(metadata::checked_metadata_table, m)?)?;
     m.add_function(wrap_pyfunction!(metadata::metadata_table_file, m)?)?;
     m.add_function(wrap_pyfunction!(loader::write_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(weights::check_weights, m)?)?;
+    m.add_function(wrap_pyfunction!(weights::check_shares, m)?)?;
     m.add_function(wrap_pyfunction!(builder::relocate_part, m)?)?;
     m.add_function(wrap_pyfunction!(manifest::read_manifest, m)?)?;
     m.add_function(wrap_pyfunction!(manifest::parse_manifest, m)?)?;

@@ -169,6 +169,13 @@ impl PySchedule {
             .map_err(|e| to_py(py, e))
     }
 
+    /// The same layout from position `cursor` of the epoch on.
+    fn at(&self, cursor: u64) -> Self {
+        Self {
+            inner: self.inner.at(cursor),
+        }
+    }
+
     /// Pickles as its constructor arguments, so that it travels to worker processes.
     fn __getnewargs__(&self) -> (u64, u64, u64, u64, u64, bool) {
         let s = &self.inner;
