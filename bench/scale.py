@@ -335,6 +335,9 @@ def run_size(args: argparse.Namespace, n: int, root: Path) -> dict[str, Any]:
         path = where / system
         r = results[system] = {"build": child(args, "build", system, n, path)}
         r["build"]["bytes"] = disk_bytes(path)
+        # What locates the records: dataset_rt's index, the baseline's offsets array.
+        index = path / "scale" / "index.arrow" if system == "dataset_rt" else path / "offsets.npy"
+        r["build"]["index_bytes"] = index.stat().st_size
         r.update(child(args, "measure", system, n, path))
         starts = [child(args, "startup", system, n, path) for _ in range(args.rounds + 1)][1:]
         for key in ("import", "open", "total"):
@@ -360,9 +363,9 @@ def table(n: int, results: dict[str, Any]) -> None:
         f"\n{n:,} rows\n\n| system | build s | disk GB | start-up s | import s "
         "| open + first batch ms | pass, samples/s | 2 workers, samples/s "
         "| reader: RSS / PSS / anon MiB | anon beyond mmap, B/row | each worker: PSS / anon MiB "
-        "| filter + re-weight + first batch s |"
+        "| filter + re-weight + first batch s | index B/row |"
     )
-    print("| --- |" + " ---: |" * 11)
+    print("| --- |" + " ---: |" * 12)
     for name, r in results.items():
         ref = (lambda key: base[key]["median"]) if name != "mmap" else (lambda key: None)
         parent = r["memory_read"]["parent"]
@@ -381,6 +384,7 @@ def table(n: int, results: dict[str, Any]) -> None:
             f"{(parent[2] - base['memory_read']['parent'][2]) / n:,.1f}",
             ", ".join(f"{mib(w[1])} / {mib(w[2])}" for w in workers) or "-",
             _cell(r["filter"], 1, 3, ref("filter")),
+            f"{r['build']['index_bytes'] / n:.1f}",
         ]
         print("| " + " | ".join(cells) + " |")
     sys.stdout.flush()

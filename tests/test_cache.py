@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import polars as pl
@@ -236,3 +237,31 @@ def test_an_object_of_a_rebuilt_cache_fails_loudly(small: drt.Cache) -> None:
         _ = small.metadata
     # The old object's mapped records stay readable: its files are still mapped.
     assert same_record(small.get(5), record(5))
+
+
+FORMAT_4 = Path(__file__).parent / "data" / "format-4"
+"""Caches of ``record(0)`` to ``record(11)`` written by a release before format 5 (indexes
+of five columns): ``plain`` is format 3, ``zstd`` format 4."""
+
+
+@pytest.mark.parametrize(("name", "version"), [("plain", 3), ("zstd", 4)])
+def test_caches_written_before_format_5_open_verify_and_grow(
+    tmp_path: Path, name: str, version: int
+) -> None:
+    shutil.copytree(FORMAT_4 / name, tmp_path / name)
+    manifest = tmp_path / name / "manifest.json"
+    assert json.loads(manifest.read_text())["format_version"] == version
+    cache = drt.open(name, root=tmp_path)
+    assert all(same_record(cache.get(i, verify=True), record(i)) for i in range(12))
+    assert drt.verify(name, root=tmp_path, progress=False).ok
+    loader = cache.metadata.drt.loader(4, shuffle=False, collate=list)
+    assert [r["caption"] for batch in loader for r in batch] == [f"sample {i}" for i in range(12)]
+    # A metadata save keeps the version, so the releases that read the cache still do.
+    cache.save_metadata(cache.metadata.with_columns(weight=pl.col("label") + 1.0))
+    assert json.loads(manifest.read_text())["format_version"] == version
+    # A part appended now has a locator index, and makes the cache format 5.
+    new = [record(i) for i in range(12, 20)]
+    grown = drt.append(name, new, root=tmp_path, progress=False)
+    assert json.loads(manifest.read_text())["format_version"] == 5 == drt._native.FORMAT_VERSION
+    assert all(same_record(grown.get(i, verify=True), record(i)) for i in range(20))
+    assert drt.verify(name, root=tmp_path, progress=False).ok

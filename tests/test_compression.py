@@ -60,7 +60,7 @@ def test_compressed_caches_read_the_same_records_as_plain_ones(
         assert cache.nbytes_on_disk < plain.nbytes_on_disk * 0.6
     manifest = json.loads((cache.path / "manifest.json").read_text())
     codec_name = "lz4" if codec == "lz4" else "zstd"
-    assert (manifest["format_version"], manifest["compression"]) == (4, codec_name)
+    assert (manifest["format_version"], manifest["compression"]) == (5, codec_name)
 
     # Every read path: bytes, single records, batches, and loaders in this process and in
     # worker processes, against the uncompressed cache.

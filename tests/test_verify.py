@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import polars as pl
@@ -15,7 +16,14 @@ from dataset_rt.errors import CacheCorruptError, CacheNotFoundError
 
 
 def _index(c: drt.Cache) -> pl.DataFrame:
-    return pl.read_ipc(c.path / "index.arrow")
+    """Where each sample lives, decoded from the index's 16-byte locators."""
+    raw = pl.read_ipc(c.path / "index.arrow")["locator"].to_list()
+    rows = [struct.unpack("<QII", locator) for locator in raw]
+    return pl.DataFrame(
+        [(i, shard, offset, length) for i, (offset, length, shard) in enumerate(rows)],
+        schema=["sample_id", "shard", "offset", "length"],
+        orient="row",
+    )
 
 
 def _flip(path: Path, position: int) -> None:

@@ -3,7 +3,7 @@
 //! ```text
 //! <name>/manifest.json            written last and atomically; names every other file
 //! <name>/shards/NNNNN.bin         SHARD_MAGIC header, then records back to back, aligned
-//! <name>/index.arrow              sample_id -> shard, offset, length, checksum
+//! <name>/index.arrow              per sample: 16-byte locator (offset, length, shard), checksum
 //! <name>/metadata/vNNNNN.parquet  metadata versions; the manifest names the live one
 //! <name>/parts/NNNNN/             records appended later: shards/ and index.arrow of their own
 //! ```
@@ -24,9 +24,13 @@ use crate::error::{Error, IoContext, Result};
 /// in-band pickle as `pickle`; such manifests are read into the version 2 names, and written
 /// back as version 2 when they are next committed. Version 3 adds `parts`: records appended
 /// after the build, each part with shards and an index of its own. Version 4 adds compressed
-/// records (`compression` other than `none`); an uncompressed cache is still written as
-/// version 3, so that releases that read version 3 keep reading it.
-pub const FORMAT_VERSION: u64 = 4;
+/// records (`compression` other than `none`). Version 5 stores each index as 16-byte
+/// locators and a checksum column (see [`crate::index`]); what this build writes is version
+/// 5, and a cache written before keeps its version until a part with such an index is
+/// appended to it, so that the releases that read it keep reading it.
+pub const FORMAT_VERSION: u64 = 5;
+/// The first format version whose indexes are locators.
+pub const LOCATORS_VERSION: u64 = 5;
 /// The name of the manifest file inside a cache directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The name of the index file inside a cache directory.
@@ -232,11 +236,12 @@ impl Manifest {
     }
 
     /// Writes the manifest into `dir` atomically (temporary file, fsync, rename), as the
-    /// oldest format version that holds it.
+    /// oldest format version that holds it: 3 (4 when compressed), or 5 once an index is
+    /// stored as locators.
     pub fn write(&self, dir: &Path) -> Result<()> {
-        let oldest = if self.compression == "none" { 3 } else { 4 };
+        let codec = if self.compression == "none" { 3 } else { 4 };
         let written = Manifest {
-            format_version: oldest,
+            format_version: self.format_version.max(codec),
             ..self.clone()
         };
         let text = serde_json::to_vec_pretty(&written)
@@ -244,7 +249,8 @@ impl Manifest {
         write_atomic(&dir.join(MANIFEST_FILE), &text)
     }
 
-    /// Brings a manifest of an older format version to this one, in memory.
+    /// Brings a manifest of an older format version to this one, in memory. Its
+    /// `format_version` stays the one read: it says how its indexes are stored.
     fn upgrade(&mut self) {
         if self.format_version < 2 {
             let renamed = match self.serializer.as_str() {
@@ -254,7 +260,6 @@ impl Manifest {
             };
             self.serializer = renamed.to_string();
         }
-        self.format_version = FORMAT_VERSION;
     }
 
     /// Every file the manifest names, relative to the cache directory, the manifest itself
@@ -310,6 +315,8 @@ impl Manifest {
     /// Lists `part` after the cache's records, which it joins: its samples get the next
     /// sample ids.
     pub fn add_part(&mut self, part: Part) {
+        // Parts are written by this build, so their indexes are locators.
+        self.format_version = self.format_version.max(LOCATORS_VERSION);
         self.num_samples += part.num_samples;
         self.nbytes += part.nbytes;
         self.parts.push(part);

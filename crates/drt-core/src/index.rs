@@ -1,5 +1,11 @@
-//! The sample index: an uncompressed Arrow IPC file mapping `sample_id` to where its record
-//! lives (`shard`, `offset`, `length`) and its xxh3-64 `checksum`.
+//! The sample index: an uncompressed Arrow IPC file saying where each sample's record lives
+//! and holding its xxh3-64 checksum.
+//!
+//! Since format version 5 its row `i` is sample `i`, in two columns: `locator`, 16 bytes per
+//! row (offset u64, length u32, shard u32, little-endian), the one thing a draw reads; and
+//! `checksum`, read only by `verify` and by reads with `verify=True`. Versions 1 to 4 stored
+//! the sample id, shard, offset, length and checksum as five columns (36 bytes per row, of
+//! which a draw touched 28 in four places); such indexes still open.
 //!
 //! The file holds one record batch of fixed-width, non-null columns. Reading it maps the file
 //! and views the columns in place, so opening costs the same for a thousand samples as for a
@@ -13,7 +19,7 @@ use std::sync::Arc;
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{UInt32Type, UInt64Type};
-use arrow_array::{Array, ArrayRef, RecordBatch, UInt32Array, UInt64Array};
+use arrow_array::{Array, ArrayRef, FixedSizeBinaryArray, RecordBatch, UInt64Array};
 use arrow_buffer::{Buffer, ScalarBuffer};
 use arrow_ipc::reader::FileDecoder;
 use arrow_ipc::writer::FileWriter;
@@ -30,13 +36,58 @@ pub struct Location {
     pub shard: u32,
     /// Byte offset of the record within its shard.
     pub offset: u64,
-    /// Length of the record in bytes.
+    /// Length of the record in bytes (at most [`MAX_RECORD_LEN`]).
     pub length: u64,
-    /// xxh3-64 of the record's bytes.
-    pub checksum: u64,
+}
+
+/// The longest record an index can locate: its length is stored in 32 bits.
+pub const MAX_RECORD_LEN: u64 = u32::MAX as u64;
+/// Bytes per row of the `locator` column.
+const LOCATOR_LEN: usize = 16;
+
+impl Location {
+    /// The row of the `locator` column: offset, length, shard.
+    fn encode(&self) -> Result<[u8; LOCATOR_LEN]> {
+        let length = u32::try_from(self.length).map_err(|_| {
+            Error::Internal(format!(
+                "a record of {} bytes reached the index",
+                self.length
+            ))
+        })?;
+        let mut row = [0u8; LOCATOR_LEN];
+        row[..8].copy_from_slice(&self.offset.to_le_bytes());
+        row[8..12].copy_from_slice(&length.to_le_bytes());
+        row[12..].copy_from_slice(&self.shard.to_le_bytes());
+        Ok(row)
+    }
+
+    #[inline]
+    fn decode(row: &[u8]) -> Self {
+        let (mut offset, mut length, mut shard) = ([0u8; 8], [0u8; 4], [0u8; 4]);
+        offset.copy_from_slice(&row[..8]);
+        length.copy_from_slice(&row[8..12]);
+        shard.copy_from_slice(&row[12..LOCATOR_LEN]);
+        Location {
+            offset: u64::from_le_bytes(offset),
+            length: u64::from(u32::from_le_bytes(length)),
+            shard: u32::from_le_bytes(shard),
+        }
+    }
 }
 
 fn schema() -> Schema {
+    Schema::new(vec![
+        Field::new(
+            "locator",
+            DataType::FixedSizeBinary(LOCATOR_LEN as i32),
+            false,
+        ),
+        Field::new("checksum", DataType::UInt64, false),
+    ])
+}
+
+/// The five columns of format versions 1 to 4.
+fn columns_schema() -> Schema {
     Schema::new(vec![
         Field::new("sample_id", DataType::UInt64, false),
         Field::new("shard", DataType::UInt32, false),
@@ -49,59 +100,63 @@ fn schema() -> Schema {
 /// Collects locations while a cache is written; [`IndexBuilder::write`] stores them.
 #[derive(Debug, Default)]
 pub struct IndexBuilder {
-    shard: Vec<u32>,
-    offset: Vec<u64>,
-    length: Vec<u64>,
+    locators: Vec<u8>,
     checksum: Vec<u64>,
 }
 
 impl IndexBuilder {
-    /// Records the location of the next sample.
-    pub fn push(&mut self, loc: Location) {
-        self.shard.push(loc.shard);
-        self.offset.push(loc.offset);
-        self.length.push(loc.length);
-        self.checksum.push(loc.checksum);
+    /// Records the location of the next sample and the xxh3-64 of its stored bytes.
+    pub fn push(&mut self, loc: Location, checksum: u64) -> Result<()> {
+        self.locators.extend_from_slice(&loc.encode()?);
+        self.checksum.push(checksum);
+        Ok(())
     }
 
     /// Number of samples recorded so far.
     pub fn len(&self) -> u64 {
-        self.shard.len() as u64
+        self.checksum.len() as u64
     }
 
     /// Whether no sample was recorded.
     pub fn is_empty(&self) -> bool {
-        self.shard.is_empty()
+        self.checksum.is_empty()
     }
 
     /// Writes the index to `path`; returns the file's size and xxh3-64.
     pub fn write(self, path: &Path) -> Result<(u64, u64)> {
-        let n = self.shard.len() as u64;
+        let internal = |e: arrow_schema::ArrowError| Error::Internal(format!("index batch: {e}"));
+        let locators = FixedSizeBinaryArray::try_new(
+            LOCATOR_LEN as i32,
+            Buffer::from_vec(self.locators),
+            None,
+        )
+        .map_err(internal)?;
         let columns: Vec<ArrayRef> = vec![
-            Arc::new(UInt64Array::from_iter_values(0..n)),
-            Arc::new(UInt32Array::from(self.shard)),
-            Arc::new(UInt64Array::from(self.offset)),
-            Arc::new(UInt64Array::from(self.length)),
+            Arc::new(locators),
             Arc::new(UInt64Array::from(self.checksum)),
         ];
         let schema = Arc::new(schema());
-        let batch = RecordBatch::try_new(schema.clone(), columns)
-            .map_err(|e| Error::Internal(format!("index batch: {e}")))?;
-        let file = std::fs::File::create(path).at(path)?;
-        let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(1 << 20, file));
-        let ipc_err = |e: arrow_schema::ArrowError| Error::Io {
-            path: path.to_path_buf(),
-            source: std::io::Error::other(e.to_string()),
-        };
-        let mut writer = FileWriter::try_new(&mut out, &schema).map_err(ipc_err)?;
-        writer.write(&batch).map_err(ipc_err)?;
-        writer.finish().map_err(ipc_err)?;
-        drop(writer);
-        let (size, digest, inner) = out.finish();
-        let file = inner.into_inner().map_err(|e| e.into_error()).at(path)?;
-        file.sync_all().at(path)?;
-        Ok((size, digest))
+        let batch = RecordBatch::try_new(schema.clone(), columns).map_err(internal)?;
+        write_batch(path, &schema, &batch)
     }
+}
+
+/// Writes `batch` as an IPC file at `path`, flushed to disk; returns its size and xxh3-64.
+fn write_batch(path: &Path, schema: &Schema, batch: &RecordBatch) -> Result<(u64, u64)> {
+    let file = std::fs::File::create(path).at(path)?;
+    let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(1 << 20, file));
+    let ipc_err = |e: arrow_schema::ArrowError| Error::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    };
+    let mut writer = FileWriter::try_new(&mut out, schema).map_err(ipc_err)?;
+    writer.write(batch).map_err(ipc_err)?;
+    writer.finish().map_err(ipc_err)?;
+    drop(writer);
+    let (size, digest, inner) = out.finish();
+    let file = inner.into_inner().map_err(|e| e.into_error()).at(path)?;
+    file.sync_all().at(path)?;
+    Ok((size, digest))
 }
 
 /// A `Write` that hashes and counts what passes through it.
@@ -152,11 +207,22 @@ impl<W: Write> Write for HashingWriter<W> {
 /// The index of an open cache, viewed in place in the mapped file.
 #[derive(Debug, Clone)]
 pub struct Index {
-    sample_id: ScalarBuffer<u64>,
-    shard: ScalarBuffer<u32>,
-    offset: ScalarBuffer<u64>,
-    length: ScalarBuffer<u64>,
     checksum: ScalarBuffer<u64>,
+    layout: Layout,
+}
+
+/// How an index stores its locations.
+#[derive(Debug, Clone)]
+enum Layout {
+    /// Format 5: 16 bytes per row; row `i` is sample `i`.
+    Locators(Buffer),
+    /// Formats 1 to 4: a column per field, and the sample ids stored.
+    Columns {
+        sample_id: ScalarBuffer<u64>,
+        shard: ScalarBuffer<u32>,
+        offset: ScalarBuffer<u64>,
+        length: ScalarBuffer<u64>,
+    },
 }
 
 impl Index {
@@ -179,8 +245,10 @@ impl Index {
         let parsed = catch_unwind(AssertUnwindSafe(|| decode(&buffer)))
             .map_err(|_| Error::corrupt(path, "index file is not a readable Arrow IPC file"))?;
         let batch = parsed.map_err(|msg| Error::corrupt(path, msg))?;
+        let fields = batch.schema().fields().clone();
+        let compact = fields == schema().fields().clone();
         ensure_intact!(
-            batch.schema().fields() == schema().fields(),
+            compact || fields == columns_schema().fields().clone(),
             path,
             "unexpected index schema {:?}",
             batch.schema()
@@ -201,44 +269,85 @@ impl Index {
                 .values()
                 .clone()
         };
-        Ok(Index {
-            sample_id: u64_col(0),
-            shard: batch
-                .column(1)
-                .as_primitive::<UInt32Type>()
-                .values()
-                .clone(),
-            offset: u64_col(2),
-            length: u64_col(3),
-            checksum: u64_col(4),
-        })
+        let layout = if compact {
+            let locators = batch.column(0).as_fixed_size_binary();
+            ensure_intact!(
+                locators.value_data().len() >= locators.len() * LOCATOR_LEN,
+                path,
+                "index locators hold {} bytes for {} rows",
+                locators.value_data().len(),
+                locators.len()
+            );
+            Layout::Locators(locators.values().clone())
+        } else {
+            Layout::Columns {
+                sample_id: u64_col(0),
+                shard: batch
+                    .column(1)
+                    .as_primitive::<UInt32Type>()
+                    .values()
+                    .clone(),
+                offset: u64_col(2),
+                length: u64_col(3),
+            }
+        };
+        let checksum = u64_col(batch.num_columns() - 1);
+        Ok(Index { checksum, layout })
     }
 
     /// Number of samples.
     pub fn len(&self) -> u64 {
-        self.shard.len() as u64
+        self.checksum.len() as u64
     }
 
     /// Whether the index has no samples.
     pub fn is_empty(&self) -> bool {
-        self.shard.is_empty()
+        self.checksum.is_empty()
     }
 
     /// The location of `sample_id`, which the caller has checked to be `< len()`.
     #[inline]
     pub fn location(&self, sample_id: u64) -> Location {
         let i = sample_id as usize;
-        Location {
-            shard: self.shard[i],
-            offset: self.offset[i],
-            length: self.length[i],
-            checksum: self.checksum[i],
+        match &self.layout {
+            Layout::Locators(rows) => {
+                let start = i * LOCATOR_LEN;
+                Location::decode(&rows[start..start + LOCATOR_LEN])
+            }
+            Layout::Columns {
+                shard,
+                offset,
+                length,
+                ..
+            } => Location {
+                shard: shard[i],
+                offset: offset[i],
+                length: length[i],
+            },
         }
     }
 
-    /// The `sample_id` column as stored, for verification.
-    pub fn stored_sample_id(&self, row: u64) -> u64 {
-        self.sample_id[row as usize]
+    /// The xxh3-64 of record `sample_id`'s stored bytes (`sample_id < len()`).
+    #[inline]
+    pub fn checksum(&self, sample_id: u64) -> u64 {
+        self.checksum[sample_id as usize]
+    }
+
+    /// The sample id stored in row `row`, for verification: only indexes of format versions
+    /// 1 to 4 store one (in format 5, row `i` is sample `i` by construction).
+    pub fn stored_sample_id(&self, row: u64) -> Option<u64> {
+        match &self.layout {
+            Layout::Locators(_) => None,
+            Layout::Columns { sample_id, .. } => Some(sample_id[row as usize]),
+        }
+    }
+
+    /// Bytes per row that a draw reads: 16 for format 5, 28 before.
+    pub fn bytes_per_draw(&self) -> usize {
+        match &self.layout {
+            Layout::Locators(_) => LOCATOR_LEN,
+            Layout::Columns { .. } => 28,
+        }
     }
 }
 
@@ -286,19 +395,50 @@ fn decode(buffer: &Buffer) -> std::result::Result<RecordBatch, String> {
         .ok_or_else(|| "record batch block is empty".to_string())
 }
 
+/// Writes an index as format versions 1 to 4 did, for tests of caches written then.
+#[cfg(test)]
+pub(crate) fn write_columns(path: &Path, rows: &[(Location, u64)]) -> Result<(u64, u64)> {
+    let n = rows.len() as u64;
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(UInt64Array::from_iter_values(0..n)),
+        Arc::new(arrow_array::UInt32Array::from_iter_values(
+            rows.iter().map(|(l, _)| l.shard),
+        )),
+        Arc::new(UInt64Array::from_iter_values(
+            rows.iter().map(|(l, _)| l.offset),
+        )),
+        Arc::new(UInt64Array::from_iter_values(
+            rows.iter().map(|(l, _)| l.length),
+        )),
+        Arc::new(UInt64Array::from_iter_values(rows.iter().map(|&(_, c)| c))),
+    ];
+    let schema = Arc::new(columns_schema());
+    let batch = RecordBatch::try_new(schema.clone(), columns)
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    write_batch(path, &schema, &batch)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn rows(n: u64) -> Vec<(Location, u64)> {
+        (0..n)
+            .map(|i| {
+                let loc = Location {
+                    shard: (i / 3) as u32,
+                    offset: 64 + i * 16 + (i << 33),
+                    length: (i + 1) * 0x0101_0101 % (MAX_RECORD_LEN + 1),
+                };
+                (loc, i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            })
+            .collect()
+    }
+
     fn sample(n: u64) -> IndexBuilder {
         let mut b = IndexBuilder::default();
-        for i in 0..n {
-            b.push(Location {
-                shard: (i / 3) as u32,
-                offset: 64 + i * 16,
-                length: i + 1,
-                checksum: i.wrapping_mul(0x9e37_79b9_7f4a_7c15),
-            });
+        for (loc, checksum) in rows(n) {
+            b.push(loc, checksum).unwrap();
         }
         b
     }
@@ -311,15 +451,44 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(size, bytes.len() as u64);
         assert_eq!(digest, xxhash_rust::xxh3::xxh3_64(&bytes));
+        // 16 bytes per row for the locators and 8 for the checksums, and a few hundred for
+        // the IPC framing.
+        assert!(size < 1000 * 24 + 1024, "{size} bytes");
         let index = Index::open(&path, 1000).unwrap();
-        assert_eq!(index.len(), 1000);
+        assert_eq!((index.len(), index.bytes_per_draw()), (1000, 16));
+        let expected = rows(1000);
         for i in [0, 1, 2, 3, 500, 999] {
-            let loc = index.location(i);
-            assert_eq!(loc.shard, (i / 3) as u32);
-            assert_eq!(loc.offset, 64 + i * 16);
-            assert_eq!(loc.length, i + 1);
-            assert_eq!(index.stored_sample_id(i), i);
+            assert_eq!(index.location(i), expected[i as usize].0);
+            assert_eq!(index.checksum(i), expected[i as usize].1);
+            assert_eq!(index.stored_sample_id(i), None);
         }
+    }
+
+    #[test]
+    fn indexes_of_format_4_and_before_still_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("index.arrow");
+        let expected = rows(100);
+        write_columns(&path, &expected).unwrap();
+        let index = Index::open(&path, 100).unwrap();
+        assert_eq!(index.bytes_per_draw(), 28);
+        for i in 0..100 {
+            assert_eq!(index.location(i), expected[i as usize].0);
+            assert_eq!(index.checksum(i), expected[i as usize].1);
+            assert_eq!(index.stored_sample_id(i), Some(i));
+        }
+    }
+
+    #[test]
+    fn a_record_over_4_gib_cannot_be_indexed() {
+        let mut b = IndexBuilder::default();
+        let loc = Location {
+            shard: 0,
+            offset: 64,
+            length: MAX_RECORD_LEN + 1,
+        };
+        assert!(b.push(loc, 0).is_err());
+        assert!(b.is_empty());
     }
 
     #[test]
@@ -342,20 +511,31 @@ mod tests {
     #[test]
     fn truncated_or_garbled_files_are_errors_not_crashes() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("index.arrow");
-        sample(100).write(&path).unwrap();
-        let good = std::fs::read(&path).unwrap();
-        let damaged = dir.path().join("damaged.arrow");
-        for cut in [0, 5, 17, good.len() / 2, good.len() - 1] {
-            std::fs::write(&damaged, &good[..cut]).unwrap();
-            assert!(Index::open(&damaged, 100).is_err(), "cut at {cut}");
-        }
-        for pos in (0..good.len()).step_by(7) {
-            let mut bytes = good.clone();
-            bytes[pos] ^= 0xff;
-            std::fs::write(&damaged, &bytes).unwrap();
-            // Either a clean error or, where the flip hit a value, a readable index.
-            let _ = Index::open(&damaged, 100);
+        for legacy in [false, true] {
+            let path = dir.path().join("index.arrow");
+            if legacy {
+                write_columns(&path, &rows(100)).unwrap();
+            } else {
+                sample(100).write(&path).unwrap();
+            }
+            let good = std::fs::read(&path).unwrap();
+            let damaged = dir.path().join("damaged.arrow");
+            for cut in [0, 5, 17, good.len() / 2, good.len() - 1] {
+                std::fs::write(&damaged, &good[..cut]).unwrap();
+                assert!(Index::open(&damaged, 100).is_err(), "cut at {cut}");
+            }
+            for pos in 0..good.len() {
+                let mut bytes = good.clone();
+                bytes[pos] ^= 0xff;
+                std::fs::write(&damaged, &bytes).unwrap();
+                // Either a clean error or, where the flip hit a value, a readable index
+                // whose every row can be looked up.
+                if let Ok(index) = Index::open(&damaged, 100) {
+                    for i in 0..index.len() {
+                        let _ = (index.location(i), index.checksum(i));
+                    }
+                }
+            }
         }
     }
 }

@@ -316,6 +316,22 @@ impl CacheReader {
         Ok((index.location(sample_id - segment.first), segment))
     }
 
+    /// Checks record `sample_id`'s `bytes`, read from `shard`, against the checksum its
+    /// index holds (a column that only checked reads touch).
+    fn check_digest(&self, sample_id: u64, shard: &Shard, bytes: &[u8]) -> Result<()> {
+        let segment = self.segment_of(sample_id);
+        let stored = self.index(segment)?.checksum(sample_id - segment.first);
+        let digest = xxhash_rust::xxh3::xxh3_64(bytes);
+        crate::ensure_intact!(
+            digest == stored,
+            &shard.path,
+            "sample_id {sample_id} fails its checksum (stored {}, read {})",
+            checksum_hex(stored),
+            checksum_hex(digest)
+        );
+        Ok(())
+    }
+
     /// Record `sample_id`'s index entry and shard, not yet mapped.
     fn shard_of(&self, sample_id: u64) -> Result<(Location, &Shard)> {
         self.check_usable()?;
@@ -374,7 +390,7 @@ impl CacheReader {
         let end = (loc.offset + loc.length) as usize;
         let stored = &map[loc.offset as usize..end];
         if verify {
-            check_digest(sample_id, &loc, shard, stored)?;
+            self.check_digest(sample_id, shard, stored)?;
         }
         if self.codec.is_none() {
             return Ok(Span::new(map.clone(), loc.offset as usize, end));
@@ -409,28 +425,15 @@ impl CacheReader {
     pub fn record_verified(&self, sample_id: u64) -> Result<&[u8]> {
         let (loc, shard, map) = self.checked_location(sample_id)?;
         let bytes = &map[loc.offset as usize..(loc.offset + loc.length) as usize];
-        check_digest(sample_id, &loc, shard, bytes)?;
+        self.check_digest(sample_id, shard, bytes)?;
         Ok(bytes)
     }
-}
-
-/// Checks record `sample_id`'s `bytes` against the checksum its index entry `loc` holds.
-fn check_digest(sample_id: u64, loc: &Location, shard: &Shard, bytes: &[u8]) -> Result<()> {
-    let digest = xxhash_rust::xxh3::xxh3_64(bytes);
-    crate::ensure_intact!(
-        digest == loc.checksum,
-        &shard.path,
-        "sample_id {sample_id} fails its checksum (stored {}, read {})",
-        checksum_hex(loc.checksum),
-        checksum_hex(digest)
-    );
-    Ok(())
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::format::FORMAT_VERSION;
+    use crate::format::{Part, FORMAT_VERSION, LOCATORS_VERSION};
     use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};
 
     /// Writes `records` as a cache into `dir` (shared by the tests of other modules).
@@ -649,7 +652,7 @@ pub(crate) mod tests {
         build(dir.path(), &records(3), WriteOptions::default());
         let manifest_path = dir.path().join("manifest.json");
         let text = std::fs::read_to_string(&manifest_path).unwrap();
-        assert!(text.contains("\"format_version\": 3"), "{text}");
+        assert!(text.contains("\"format_version\": 5"), "{text}");
         assert!(text.contains("\"serializer\": \"pickle\""), "{text}");
         for (stored, read) in [
             ("pickle-oob", "pickle"),
@@ -657,7 +660,7 @@ pub(crate) mod tests {
             ("dill", "dill"),
         ] {
             let old = text
-                .replace("\"format_version\": 3", "\"format_version\": 1")
+                .replace("\"format_version\": 5", "\"format_version\": 1")
                 .replace(
                     "\"serializer\": \"pickle\"",
                     &format!("\"serializer\": \"{stored}\""),
@@ -665,7 +668,7 @@ pub(crate) mod tests {
             std::fs::write(&manifest_path, old).unwrap();
             let manifest = CacheReader::open(dir.path()).unwrap().manifest().clone();
             assert_eq!(manifest.serializer, read, "format 1 {stored:?}");
-            assert_eq!(manifest.format_version, FORMAT_VERSION);
+            assert_eq!(manifest.format_version, 1, "the version read is kept");
         }
     }
 
@@ -677,7 +680,7 @@ pub(crate) mod tests {
         let text = std::fs::read_to_string(&manifest_path).unwrap();
         std::fs::write(
             &manifest_path,
-            text.replace("\"format_version\": 3", "\"format_version\": 99"),
+            text.replace("\"format_version\": 5", "\"format_version\": 99"),
         )
         .unwrap();
         assert!(matches!(
@@ -703,12 +706,12 @@ pub(crate) mod tests {
             (0, u64::MAX - 1, 5),  // offset + length overflows
         ];
         for (shard, offset, length) in locs {
-            bad.push(Location {
+            let loc = Location {
                 shard,
                 offset,
                 length,
-                checksum: 0,
-            });
+            };
+            bad.push(loc, 0).unwrap();
         }
         let index_path = dir.path().join("index.arrow");
         let (size, digest) = bad.write(&index_path).unwrap();
@@ -734,7 +737,7 @@ pub(crate) mod tests {
         let manifest = build(dir.path(), &recs, opts);
         let text = std::fs::read_to_string(dir.path().join("manifest.json")).unwrap();
         for field in [
-            "\"format_version\": 4",
+            "\"format_version\": 5",
             "\"compression\": \"zstd\"",
             "\"compression_level\": 5",
         ] {
@@ -781,12 +784,43 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn uncompressed_caches_are_still_written_as_format_3() {
+    fn caches_of_format_3_open_and_keep_their_version_until_a_part_is_added() {
         let dir = tempfile::tempdir().unwrap();
-        build(dir.path(), &records(3), WriteOptions::default());
+        let recs = records(7);
+        let mut manifest = build(dir.path(), &recs, WriteOptions::default());
+        assert_eq!(manifest.format_version, FORMAT_VERSION);
+        // The same cache as format 3 wrote it: its index as five columns.
+        let index_path = dir.path().join("index.arrow");
+        let index = Index::open(&index_path, 7).unwrap();
+        let rows: Vec<_> = (0..7)
+            .map(|i| (index.location(i), index.checksum(i)))
+            .collect();
+        drop(index);
+        let (size, digest) = crate::index::write_columns(&index_path, &rows).unwrap();
+        manifest.index.size = size;
+        manifest.index.checksum = checksum_hex(digest);
+        manifest.format_version = 3;
+        manifest.write(dir.path()).unwrap();
+        let reader = CacheReader::open(dir.path()).unwrap();
+        assert_eq!(reader.manifest().format_version, 3);
+        for (i, rec) in recs.iter().enumerate() {
+            assert_eq!(reader.record_verified(i as u64).unwrap(), &rec[..]);
+        }
+        // Rewritten (as a metadata save does), it stays readable by the releases that
+        // read version 3.
+        reader.manifest().write(dir.path()).unwrap();
         let text = std::fs::read_to_string(dir.path().join("manifest.json")).unwrap();
         assert!(text.contains("\"format_version\": 3"), "{text}");
         assert!(!text.contains("compression_level"), "{text}");
+        // A part appended now has a locator index: the cache becomes version 5.
+        let mut grown = reader.manifest().clone();
+        grown.add_part(Part {
+            shards: Vec::new(),
+            index: manifest.index.clone(),
+            num_samples: 0,
+            nbytes: 0,
+        });
+        assert_eq!(grown.format_version, LOCATORS_VERSION);
     }
 
     /// Copies shards from `from` into the cache directory on request, counting requests.

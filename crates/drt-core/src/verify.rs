@@ -276,7 +276,10 @@ fn check_records(
     for row in 0..index.len() {
         report.samples_checked += 1;
         let id = segment.first + row;
-        if index.stored_sample_id(row) != row {
+        if index
+            .stored_sample_id(row)
+            .is_some_and(|stored| stored != row)
+        {
             add(
                 index_file,
                 "rows whose stored sample_id is not their position",
@@ -302,7 +305,7 @@ fn check_records(
             continue;
         }
         let record = &bytes[loc.offset as usize..(loc.offset + loc.length) as usize];
-        if xxhash_rust::xxh3::xxh3_64(record) != loc.checksum {
+        if xxhash_rust::xxh3::xxh3_64(record) != index.checksum(row) {
             add(&entry.file, "samples whose bytes fail their checksum", id);
         }
     }

@@ -14,7 +14,7 @@ use crate::format::{
     checksum_hex, shard_file, FileEntry, Manifest, Part, FORMAT_VERSION, INDEX_FILE, METADATA_DIR,
     MIN_OUT_OF_BAND, OOB_MAGIC, RECORD_ALIGN, SHARDS_DIR, SHARD_HEADER_LEN, SHARD_MAGIC,
 };
-use crate::index::{HashingWriter, IndexBuilder, Location};
+use crate::index::{HashingWriter, IndexBuilder, Location, MAX_RECORD_LEN};
 
 /// How records are laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -213,6 +213,14 @@ impl CacheWriter {
     /// Appends a record's bytes as they are to be stored.
     fn append_stored(&mut self, record: &[u8]) -> Result<u64> {
         let len = record.len() as u64;
+        if len > MAX_RECORD_LEN {
+            crate::bail_arg!(
+                "record {} is {len} bytes as stored; a cache holds records of up to {} bytes \
+                 (4 GiB) each",
+                self.index.len(),
+                MAX_RECORD_LEN
+            );
+        }
         let align = record_alignment(record, self.opts.alignment);
         let needs_new = match &self.shard {
             None => true,
@@ -236,12 +244,13 @@ impl CacheWriter {
         shard.out.write_all(record).at(&shard.path)?;
         shard.start_writeback()?;
         let sample_id = self.index.len();
-        self.index.push(Location {
+        let location = Location {
             shard: shard.id,
             offset,
             length: len,
-            checksum: xxhash_rust::xxh3::xxh3_64(record),
-        });
+        };
+        self.index
+            .push(location, xxhash_rust::xxh3::xxh3_64(record))?;
         Ok(sample_id)
     }
 
