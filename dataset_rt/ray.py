@@ -99,7 +99,7 @@ def cache(
     Returns
     -------
     Cache
-        The new or reused cache.
+        The cache the dataset's rows were written to, or the one already under ``name``.
 
     Raises
     ------

@@ -590,7 +590,7 @@ mod tests {
             random: EpochRandom::new(0, 0),
             program: None,
             first_draw: 0,
-            schedule: Schedule::new(20, 0, 0, 1, batch, false).unwrap(),
+            schedule: Schedule::new(20, 0, (0, 1), (batch, false)).unwrap(),
             verify: true,
             recycler: Arc::default(),
             views: None,
@@ -647,7 +647,7 @@ mod tests {
             random: EpochRandom::new(0, 0),
             program: None,
             first_draw: 0,
-            schedule: Schedule::new(12, 0, 0, 1, 12, false).unwrap(),
+            schedule: Schedule::new(12, 0, (0, 1), (12, false)).unwrap(),
             verify: true,
             recycler: Arc::default(),
             views: Some(Arc::new(ViewRule {

@@ -28,15 +28,10 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    /// Checks the arguments.
-    pub fn new(
-        total: u64,
-        cursor: u64,
-        rank: u64,
-        world_size: u64,
-        batch_size: u64,
-        drop_last: bool,
-    ) -> Result<Self> {
+    /// The layout of `total` positions over `ranks` (rank, world size) in batches of
+    /// `batch` (size, drop_last), from position `cursor` on; checks the arguments.
+    pub fn new(total: u64, cursor: u64, ranks: (u64, u64), batch: (u64, bool)) -> Result<Self> {
+        let ((rank, world_size), (batch_size, drop_last)) = (ranks, batch);
         if batch_size == 0 {
             crate::bail_arg!("batch_size must be at least 1");
         }
@@ -117,7 +112,7 @@ mod tests {
                     let mut all = Vec::new();
                     let mut counts = Vec::new();
                     for rank in 0..world {
-                        let s = Schedule::new(total, 0, rank, world, batch, false).unwrap();
+                        let s = Schedule::new(total, 0, (rank, world), (batch, false)).unwrap();
                         counts.push(s.num_batches());
                         all.extend(positions(&s));
                     }
@@ -135,7 +130,7 @@ mod tests {
 
     #[test]
     fn drop_last_cuts_to_whole_batches_on_every_rank() {
-        let s = Schedule::new(10, 0, 1, 3, 2, true).unwrap();
+        let s = Schedule::new(10, 0, (1, 3), (2, true)).unwrap();
         assert_eq!(s.per_rank(), 3);
         assert_eq!(s.num_batches(), 1);
         assert_eq!(positions(&s), vec![1, 4]);
@@ -144,12 +139,12 @@ mod tests {
     #[test]
     fn resuming_at_another_world_size_continues_the_stream() {
         // Four ranks consume 2 batches of 3, then two ranks take over from the cursor.
-        let first = Schedule::new(50, 0, 0, 4, 3, false).unwrap();
+        let first = Schedule::new(50, 0, (0, 4), (3, false)).unwrap();
         let cursor = first.cursor_after(2);
         assert_eq!(cursor, 24);
         let mut seen: Vec<u64> = (0..4)
             .flat_map(|r| {
-                let s = Schedule::new(50, 0, r, 4, 3, false).unwrap();
+                let s = Schedule::new(50, 0, (r, 4), (3, false)).unwrap();
                 (0..2)
                     .flat_map(move |b| s.batch_positions(b))
                     .collect::<Vec<_>>()
@@ -157,7 +152,7 @@ mod tests {
             .collect();
         for r in 0..2 {
             seen.extend(positions(
-                &Schedule::new(50, cursor, r, 2, 5, false).unwrap(),
+                &Schedule::new(50, cursor, (r, 2), (5, false)).unwrap(),
             ));
         }
         seen.sort_unstable();
@@ -167,16 +162,16 @@ mod tests {
 
     #[test]
     fn a_finished_epoch_has_no_batches_left() {
-        let s = Schedule::new(10, 0, 0, 1, 4, false).unwrap();
+        let s = Schedule::new(10, 0, (0, 1), (4, false)).unwrap();
         assert_eq!(s.cursor_after(3), 10);
-        let done = Schedule::new(10, 10, 0, 1, 4, false).unwrap();
+        let done = Schedule::new(10, 10, (0, 1), (4, false)).unwrap();
         assert_eq!(done.num_batches(), 0);
     }
 
     #[test]
     fn bad_arguments() {
-        assert!(Schedule::new(10, 0, 0, 1, 0, false).is_err());
-        assert!(Schedule::new(10, 0, 2, 2, 1, false).is_err());
-        assert!(Schedule::new(10, 0, 0, 0, 1, false).is_err());
+        assert!(Schedule::new(10, 0, (0, 1), (0, false)).is_err());
+        assert!(Schedule::new(10, 0, (2, 2), (1, false)).is_err());
+        assert!(Schedule::new(10, 0, (0, 0), (1, false)).is_err());
     }
 }

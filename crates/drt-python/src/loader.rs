@@ -164,7 +164,7 @@ impl PySchedule {
         batch_size: u64,
         drop_last: bool,
     ) -> PyResult<Self> {
-        Schedule::new(total, cursor, rank, world_size, batch_size, drop_last)
+        Schedule::new(total, cursor, (rank, world_size), (batch_size, drop_last))
             .map(|inner| Self { inner })
             .map_err(|e| to_py(py, e))
     }

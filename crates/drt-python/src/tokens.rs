@@ -47,7 +47,7 @@ impl PyTokenStream {
     #[pyo3(signature = (epoch, *, total, separator))]
     fn new(py: Python<'_>, epoch: &Epoch, total: u64, separator: Option<i64>) -> PyResult<Self> {
         let inner = run(py, || {
-            let schedule = Schedule::new(total, 0, 0, 1, 1, false)?;
+            let schedule = Schedule::new(total, 0, (0, 1), (1, false))?;
             let source = epoch.open(schedule)?;
             TokenStream::new(source, separator)
         })?;
