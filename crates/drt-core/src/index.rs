@@ -245,10 +245,10 @@ impl Index {
         let parsed = catch_unwind(AssertUnwindSafe(|| decode(&buffer)))
             .map_err(|_| Error::corrupt(path, "index file is not a readable Arrow IPC file"))?;
         let batch = parsed.map_err(|msg| Error::corrupt(path, msg))?;
-        let fields = batch.schema().fields().clone();
-        let compact = fields == schema().fields().clone();
+        let fields = batch.schema_ref().fields();
+        let compact = fields == schema().fields();
         ensure_intact!(
-            compact || fields == columns_schema().fields().clone(),
+            compact || fields == columns_schema().fields(),
             path,
             "unexpected index schema {:?}",
             batch.schema()
@@ -339,14 +339,6 @@ impl Index {
         match &self.layout {
             Layout::Locators(_) => None,
             Layout::Columns { sample_id, .. } => Some(sample_id[row as usize]),
-        }
-    }
-
-    /// Bytes per row that a draw reads: 16 for format 5, 28 before.
-    pub fn bytes_per_draw(&self) -> usize {
-        match &self.layout {
-            Layout::Locators(_) => LOCATOR_LEN,
-            Layout::Columns { .. } => 28,
         }
     }
 }
@@ -455,7 +447,7 @@ mod tests {
         // the IPC framing.
         assert!(size < 1000 * 24 + 1024, "{size} bytes");
         let index = Index::open(&path, 1000).unwrap();
-        assert_eq!((index.len(), index.bytes_per_draw()), (1000, 16));
+        assert_eq!(index.len(), 1000);
         let expected = rows(1000);
         for i in [0, 1, 2, 3, 500, 999] {
             assert_eq!(index.location(i), expected[i as usize].0);
@@ -471,7 +463,6 @@ mod tests {
         let expected = rows(100);
         write_columns(&path, &expected).unwrap();
         let index = Index::open(&path, 100).unwrap();
-        assert_eq!(index.bytes_per_draw(), 28);
         for i in 0..100 {
             assert_eq!(index.location(i), expected[i as usize].0);
             assert_eq!(index.checksum(i), expected[i as usize].1);
