@@ -4,8 +4,10 @@ Records decoded from the default serializer hold read-only NumPy arrays that vie
 mapped shard or the loader's batch buffer. PyTorch's own collate would wrap each with
 ``torch.as_tensor``, which warns that the array is not writable, and then copy it into the
 batch. Here the arrays are stacked straight into the batch tensor instead — the one copy a
-batch needs — in shared memory when running in a DataLoader worker, as PyTorch does.
-Everything else (dicts, tuples, numbers, strings, tensors) is collated by PyTorch unchanged.
+batch needs. In a loader's worker process the batch is built in a segment of the worker's
+return ring (:mod:`dataset_rt.ring`), whose memory the main process has mapped already;
+tensors are stacked there too. Everything else (dicts, tuples, numbers, strings) is collated
+by PyTorch unchanged.
 
 This module needs PyTorch; the loader imports it only when PyTorch is installed.
 """
@@ -16,13 +18,16 @@ import math
 import mmap
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils.data
 from torch.utils.data._utils.collate import collate as _collate
-from torch.utils.data._utils.collate import default_collate_fn_map
+from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+
+from dataset_rt.ring import worker_ring
 
 __all__ = ["default_collate"]
 
@@ -86,7 +91,11 @@ def _stack_arrays(batch: list[np.ndarray[Any, Any]], *, collate_fn_map: Any = No
         return default_collate_fn_map[np.ndarray](batch, collate_fn_map=collate_fn_map)
     template = torch.from_numpy(np.empty(0, dtype=first.dtype))
     shape = (len(batch), *first.shape)
-    if torch.utils.data.get_worker_info() is not None:
+    ring = worker_ring()
+    ringed = ring.tensor(shape, template.dtype) if ring is not None else None
+    if ringed is not None:
+        out = ringed
+    elif torch.utils.data.get_worker_info() is not None:
         # In a worker the batch goes to the main process: build it in shared memory, so
         # that crossing over is a handle, not another copy.
         storage = template._typed_storage()._new_shared(  # type: ignore[no-untyped-call]
@@ -107,7 +116,22 @@ def _stack_arrays(batch: list[np.ndarray[Any, Any]], *, collate_fn_map: Any = No
     return out
 
 
-_MAP = {**default_collate_fn_map, np.ndarray: _stack_arrays}
+def _stack_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> Any:
+    first = batch[0]
+    ring = worker_ring()
+    plain = first.device.type == "cpu" and first.layout == torch.strided and not first.is_nested
+    if ring is not None and plain and all(t.shape == first.shape for t in batch):
+        out = ring.tensor((len(batch), *first.shape), first.dtype)
+        if out is not None:
+            return torch.stack(batch, 0, out=out)
+    return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+
+
+_MAP: dict[type | tuple[type, ...], Callable[..., Any]] = {
+    **default_collate_fn_map,
+    np.ndarray: _stack_arrays,
+    torch.Tensor: _stack_tensors,
+}
 
 
 def default_collate(batch: list[Any]) -> Any:

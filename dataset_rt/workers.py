@@ -2,7 +2,8 @@
 
 Worker ``w`` of ``W`` reads batches ``w, w + W, w + 2W, ...`` of the rank's schedule with its
 own native prefetch thread, decodes, transforms and collates them, and sends back the
-collated batch (PyTorch moves tensors through shared memory). The DataLoader takes one
+collated batch: its tensors through segments of shared memory that the worker reuses and
+the main process maps once (:mod:`dataset_rt.ring`). The DataLoader takes one
 batch from each worker in turn, so batches arrive in the same order as without workers.
 
 How workers start, and why:
@@ -35,17 +36,19 @@ import pickle
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import torch
 import torch.utils.data as tud
 
 from dataset_rt import _native
 from dataset_rt.errors import ArgumentError, WorkerError
 from dataset_rt.pipeline import LoaderSpec, LoaderStats, assemble
 from dataset_rt.processes import ForkServerContext, SpawnContext
+from dataset_rt.ring import MainRing, WorkerRing, set_worker_ring
 
 __all__ = ["DEFAULT_START_TIMEOUT", "pack", "run_workers", "start_timeout", "worker_batches"]
 
@@ -154,10 +157,13 @@ def _exit_with(pid: int) -> None:
 
 
 class _WorkerStream(tud.IterableDataset[Any]):
-    def __init__(self, packed: bytes, schedule: _native.Schedule, epoch: int) -> None:
+    def __init__(
+        self, packed: bytes, schedule: _native.Schedule, epoch: int, flags: torch.Tensor
+    ) -> None:
         self.packed = packed
         self.schedule = schedule
         self.epoch = epoch
+        self.flags = flags
         self.loader_pid = os.getpid()
 
     def __iter__(self) -> Iterator[Any]:
@@ -172,11 +178,16 @@ class _WorkerStream(tud.IterableDataset[Any]):
         # a native read-ahead of one batch overlaps reading with decoding. A deeper one would
         # only hold more batch buffers per worker.
         spec = dataclasses.replace(spec, depth=1)
-        for batch in spec.batches(self.schedule, self.epoch, worker, workers):
-            times = [0.0, 0.0, 0.0]
-            out = assemble(batch, spec, times)
-            # The counters travel with the batch, for the main process's loader.stats().
-            yield out, len(batch), batch.nbytes, times
+        ring = WorkerRing(self.flags, worker)
+        set_worker_ring(ring)
+        try:
+            for batch in spec.batches(self.schedule, self.epoch, worker, workers):
+                times = [0.0, 0.0, 0.0]
+                out = ring.pack(assemble(batch, spec, times))
+                # The counters travel with the batch, for the main process's loader.stats().
+                yield out, len(batch), batch.nbytes, times
+        finally:
+            set_worker_ring(None)
 
 
 class _Produced(tud.IterableDataset[Any]):
@@ -211,8 +222,15 @@ def worker_batches(
     """Yields the rank's batches from ``schedule``, read by ``num_workers`` processes.
 
     ``packed`` is the loader's spec from :func:`pack`; ``depth`` the batches to keep in flight.
+    Each item is ``(batch, samples, bytes, stage times)``.
     """
-    return _run(_WorkerStream(packed, schedule, epoch), num_workers, depth)
+    ring = MainRing(num_workers)
+    items = _run(_WorkerStream(packed, schedule, epoch, ring.flags), num_workers, depth)
+    try:
+        for message, *counts in items:
+            yield ring.unpack(message), *counts
+    finally:
+        items.close()
 
 
 def counted(
@@ -250,7 +268,9 @@ def run_workers(
     return _run(_Produced(produce), num_workers, depth)
 
 
-def _run(stream: tud.IterableDataset[Any], num_workers: int, depth: int) -> Iterator[Any]:
+def _run(
+    stream: tud.IterableDataset[Any], num_workers: int, depth: int
+) -> Generator[Any, None, None]:
     """Yields ``stream``'s items (after each worker's start report) from its processes."""
     loader = tud.DataLoader(
         stream,

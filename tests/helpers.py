@@ -12,10 +12,13 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlparse
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -185,3 +188,38 @@ class FaultyProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class Pair(NamedTuple):
+    """A named tuple of tensors, as a collate may return."""
+
+    x: torch.Tensor
+    label: torch.Tensor
+
+
+class Holder:
+    """An object of the user's own that holds a batch's tensors."""
+
+    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
+        self.batch = batch
+
+
+def transposed(records: list[dict[str, Any]]) -> Any:
+    """A collate that returns views, copies and containers of the default collate's batch."""
+    import torch
+
+    from dataset_rt.collate import default_collate
+
+    batch = default_collate(records)
+    return [
+        Pair(batch["x"].t(), batch["label"]),
+        {"tail": batch["x"][1:, :3], "doubled": batch["x"] * 2, "name": "b"},
+        (batch["label"].to(torch.float64), np.asarray(batch["label"])),
+    ]
+
+
+def held(records: list[dict[str, Any]]) -> Any:
+    """A collate that returns the default collate's batch inside an object of its own."""
+    from dataset_rt.collate import default_collate
+
+    return Holder(default_collate(records))

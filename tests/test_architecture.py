@@ -101,6 +101,7 @@ PYTHON_LAYERS = [
     {
         "options",
         "pipeline",
+        "ring",
         "collate",
         "workers",
         "program",
