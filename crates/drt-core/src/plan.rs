@@ -7,9 +7,14 @@
 //! ```text
 //! header (64 bytes): PLAN_MAGIC, rows u64, caches u32, flags u32, tokens u64
 //! sample_id u64[rows] (unless row i is sample i) | cache u32[rows] (if several caches) |
-//! threshold u32[rows] and alias u32[rows] (if weighted) | length u32[rows] (if the rows
-//! are token documents)
+//! threshold u32[rows] and alias u32[rows] (if weighted, unless uniform) | length u32[rows]
+//! (if the rows are token documents)
 //! ```
+//!
+//! Where every row weighs the same, the alias table would send every column to itself: a
+//! uniform plan holds no table (flags `WEIGHTED | UNIFORM`), and a draw is its column alone,
+//! the same row the table would give without a page of the table read. A reader that does
+//! not know the flag finds the file shorter than its header says and passes it over.
 //!
 //! The plan of a whole cache's table in order (a saved version that re-weights every
 //! sample) has no sample ids: row `i` is sample `i`, which saves 8 bytes per row on disk
@@ -38,6 +43,7 @@ const HAS_CACHES: u32 = 1;
 const WEIGHTED: u32 = 2;
 const LENGTHS: u32 = 4;
 const IDENTITY: u32 = 8;
+const UNIFORM: u32 = 16;
 
 /// The rows of a loader: their samples and, when shuffling, the alias table of their weights.
 pub struct Plan {
@@ -48,6 +54,7 @@ pub struct Plan {
     ids_at: Option<usize>,
     cache_at: Option<usize>,
     table_at: Option<usize>,
+    uniform: bool,
     lengths_at: Option<usize>,
     tokens: u64,
 }
@@ -135,6 +142,7 @@ impl Plan {
             }
         }
         let table = weights.map(|w| AliasTable::new(w, "weight")).transpose()?;
+        let uniform = table.as_ref().is_some_and(sends_every_column_to_itself);
         let file = std::fs::File::create(path).at(path)?;
         let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(1 << 20, file));
         let mut header = [0u8; HEADER_LEN];
@@ -145,6 +153,7 @@ impl Plan {
         let flags = if caches.is_some() { HAS_CACHES } else { 0 }
             | if identity { IDENTITY } else { 0 }
             | if table.is_some() { WEIGHTED } else { 0 }
+            | if uniform { UNIFORM } else { 0 }
             | if lengths.is_some() { LENGTHS } else { 0 };
         header[20..24].copy_from_slice(&flags.to_le_bytes());
         header[24..32].copy_from_slice(&tokens.to_le_bytes());
@@ -155,7 +164,7 @@ impl Plan {
         if let Some((codes, _)) = caches {
             write_le(&mut out, codes, path)?;
         }
-        if let Some(table) = &table {
+        if let Some(table) = table.as_ref().filter(|_| !uniform) {
             write_le(&mut out, &table.threshold, path)?;
             write_le(&mut out, &table.alias, path)?;
         }
@@ -195,7 +204,8 @@ impl Plan {
             at += 4 * n;
             a
         });
-        let table_at = (flags & WEIGHTED != 0).then(|| {
+        let uniform = flags & WEIGHTED != 0 && flags & UNIFORM != 0;
+        let table_at = (flags & WEIGHTED != 0 && !uniform).then(|| {
             let a = at;
             at += 8 * n;
             a
@@ -215,6 +225,7 @@ impl Plan {
             ids_at,
             cache_at,
             table_at,
+            uniform,
             lengths_at,
             tokens,
         })
@@ -232,13 +243,16 @@ impl Plan {
 
     /// The plan's alias table, if it holds one.
     pub fn table(&self) -> Option<MappedTable> {
+        if self.uniform {
+            return Some(MappedTable::uniform(self.map.clone(), self.rows));
+        }
         self.table_at
             .map(|at| MappedTable::new(self.map.clone(), at, self.rows))
     }
 
-    /// Whether the plan holds an alias table (the loader shuffles).
+    /// Whether the plan's rows are drawn by weight (the loader shuffles).
     pub fn weighted(&self) -> bool {
-        self.table_at.is_some()
+        self.table_at.is_some() || self.uniform
     }
 
     /// The rows' tokens in all, if the plan holds token documents' lengths.
@@ -271,6 +285,7 @@ impl Plan {
                     |c| self.u32_at(t + 4 * n as usize, c),
                 )
             }
+            None if self.uniform => column(random.bits(position), self.rows) as u64,
             None => position % self.rows.max(1),
         }
     }
@@ -317,6 +332,8 @@ pub struct MappedTable {
     /// Where the thresholds start; the aliases follow them.
     at: usize,
     rows: u64,
+    /// Every row weighs the same: a draw is its column, and the map holds no table.
+    uniform: bool,
 }
 
 impl std::fmt::Debug for MappedTable {
@@ -330,7 +347,23 @@ impl std::fmt::Debug for MappedTable {
 impl MappedTable {
     /// The table of `rows` rows at `at` in `map`; the caller has checked the bounds.
     pub(crate) fn new(map: Arc<Mmap>, at: usize, rows: u64) -> Self {
-        Self { map, at, rows }
+        Self {
+            map,
+            at,
+            rows,
+            uniform: false,
+        }
+    }
+
+    /// The table of `rows` rows of equal weight (held by `map`, a uniform plan, for its
+    /// lifetime only).
+    fn uniform(map: Arc<Mmap>, rows: u64) -> Self {
+        Self {
+            map,
+            at: 0,
+            rows,
+            uniform: true,
+        }
     }
 
     /// Maps the table of a weight file from [`write_table`], or of a weighted plan.
@@ -375,6 +408,9 @@ impl MappedTable {
     /// Asks the processor to load what [`draw`](Self::draw) reads for `bits`.
     #[inline]
     pub fn prefetch(&self, bits: u64) {
+        if self.uniform {
+            return;
+        }
         let c = column(bits, self.rows);
         prefetch(&self.map, self.at + 4 * c);
         prefetch(&self.map, self.at + 4 * (self.rows as usize + c));
@@ -384,6 +420,9 @@ impl MappedTable {
     #[inline]
     pub fn draw(&self, bits: u64) -> u64 {
         let n = self.rows;
+        if self.uniform {
+            return column(bits, n) as u64;
+        }
         let aliases = self.at + 4 * n as usize;
         pick(
             bits,
@@ -392,6 +431,17 @@ impl MappedTable {
             |c| self.u32_at(aliases, c),
         )
     }
+}
+
+/// Whether `table` draws each column's own row for every coin: the table of equal weights
+/// (each scaled weight exactly 1), which [`column`] alone reproduces.
+fn sends_every_column_to_itself(table: &AliasTable) -> bool {
+    table
+        .threshold
+        .iter()
+        .zip(&table.alias)
+        .zip(0u32..)
+        .all(|((&t, &a), i)| t == u32::MAX && a == i)
 }
 
 /// The alias-table column that random bits `bits` select among `n` (as `pick` does).
@@ -439,6 +489,39 @@ mod tests {
         for k in 0..5000 {
             assert_eq!(plan.row_at(random, k), table.draw(random.bits(k)));
         }
+    }
+
+    #[test]
+    fn plans_of_equal_weights_hold_no_table_and_draw_what_one_would() {
+        let dir = tempfile::tempdir().unwrap();
+        let ids: Vec<u64> = (0..1000).collect();
+        let random = EpochRandom::new(5, 2);
+        for (name, weight) in [("ones", 1.0), ("halves", 0.5), ("fifths", 0.2)] {
+            let path = dir.path().join(name);
+            let weights = vec![weight; ids.len()];
+            Plan::write(&path, &ids, None, Some(&weights), None).unwrap();
+            let plan = Plan::open(&path).unwrap();
+            let table = AliasTable::new(&weights, "w").unwrap();
+            // Each row's scaled weight is exactly 1 unless the sum rounds (0.2 does): only
+            // then does the file hold the table.
+            let uniform = table.threshold.iter().all(|&t| t == u32::MAX);
+            assert_eq!(plan.uniform, uniform, "{name}");
+            let size = std::fs::metadata(&path).unwrap().len();
+            assert_eq!(size, 64 + if uniform { 0 } else { 8 * 1000 }, "{name}");
+            assert!(plan.weighted());
+            let mapped = plan.table().unwrap();
+            for k in 0..20_000 {
+                let want = table.draw(random.bits(k));
+                assert_eq!(plan.row_at(random, k), want, "{name}");
+                assert_eq!(mapped.draw(random.bits(k)), want, "{name}");
+            }
+            assert!(MappedTable::open(&path).is_ok(), "{name}");
+        }
+        // The plan of equal weights that a cache's first version saves draws every row.
+        let plan = Plan::open(&dir.path().join("ones")).unwrap();
+        let drawn: std::collections::HashSet<u64> =
+            (0..20_000).map(|k| plan.row_at(random, k)).collect();
+        assert_eq!(drawn.len(), 1000);
     }
 
     #[test]
