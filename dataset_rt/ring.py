@@ -172,7 +172,12 @@ class WorkerRing:
         if isinstance(value, _ATOMS):
             return value
         if isinstance(value, np.ndarray) and not value.dtype.hasobject:
-            return value  # pickled by value: a copy, even of memory in a segment
+            # Pickled by value, but later, on the queue's feeder thread: an array over a
+            # segment that no marker holds (which the next batch may fill) is copied now.
+            start = value.__array_interface__["data"][0]
+            if any(s.pointer <= start < s.pointer + s.nbytes for s in self._lent):
+                return value.copy()
+            return value
         raise _Opaque
 
     def _pack_tensor(self, tensor: torch.Tensor, held: set[int]) -> Any:

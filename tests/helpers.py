@@ -223,3 +223,11 @@ def held(records: list[dict[str, Any]]) -> Any:
     from dataset_rt.collate import default_collate
 
     return Holder(default_collate(records))
+
+
+def as_arrays(records: list[dict[str, Any]]) -> Any:
+    """A collate that returns the default collate's array as a NumPy array over its memory."""
+    from dataset_rt.collate import default_collate
+
+    batch = default_collate(records)
+    return {"x": batch["x"].numpy(), "label": batch["label"]}

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import Pair, held, transposed
+from helpers import Pair, as_arrays, held, transposed
 
 import dataset_rt as drt
 
@@ -97,3 +97,16 @@ def test_objects_that_hide_tensors_keep_their_batches(arrays: drt.Cache) -> None
     assert len(holders) == 200
     for holder in holders:
         check(holder.batch)
+
+
+def test_arrays_over_a_batch_buffer_arrive_whole(arrays: drt.Cache) -> None:
+    # The array is pickled after the worker has moved on to its next batches.
+    frame = arrays.metadata
+    options: dict[str, Any] = {"batch_size": 8, "seed": 6, "num_samples": 2400}
+    for got, want in zip(
+        frame.drt.loader(**options, collate=as_arrays, num_workers=2),
+        frame.drt.loader(**options),
+        strict=True,
+    ):
+        assert isinstance(got["x"], np.ndarray)
+        assert np.array_equal(got["x"], want["x"].numpy())
