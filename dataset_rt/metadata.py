@@ -13,7 +13,7 @@ from dataset_rt import _native
 from dataset_rt._version_check import POLARS_2
 from dataset_rt.errors import MetadataError, WeightError
 
-__all__ = ["RESERVED_COLUMNS", "MetadataCollector", "checked_scan"]
+__all__ = ["RESERVED_COLUMNS", "MetadataCollector", "cache_codes", "checked_scan"]
 
 RESERVED_COLUMNS = ("cache_id", "sample_id")
 """Columns dataset_rt fills in itself; ``metadata()`` may not return them."""
@@ -235,7 +235,7 @@ def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str
         )
     _check_link_dtypes(frame)
 
-    cache_ids = frame["cache_id"].cast(pl.String)
+    cache_ids = _comparable(frame["cache_id"])
     foreign = cache_ids.ne_missing(cache_id)
     if foreign.any():
         raise MetadataError(
@@ -284,7 +284,35 @@ def link_columns(frame: pl.DataFrame) -> tuple[pl.Series, pl.Series]:
             raise MetadataError(f"column {column.name!r} holds nulls; every row needs one")
     if ids.dtype not in (pl.Int64, pl.UInt64):
         ids = ids.cast(pl.Int64)  # Int128 ids beyond the Int64 range fail here, by name
-    return cache_ids.cast(pl.String), ids
+    return _comparable(cache_ids), ids
+
+
+def _comparable(cache_ids: pl.Series) -> pl.Series:
+    """``cache_ids`` as strings, or as they are if categorical (with Polars 2).
+
+    A categorical column is compared with a ``str`` and mapped to codes by its category
+    codes: at 100M rows, casting it would make a string for every row.
+    """
+    if POLARS_2 and cache_ids.dtype == pl.Categorical:
+        return cache_ids
+    return cache_ids.cast(pl.String)
+
+
+def cache_codes(
+    cache_ids: pl.Series, known: list[str] | None = None
+) -> tuple[list[str], pl.Series]:
+    """Each row's cache as a UInt32 code, and the ids the codes index.
+
+    The code is the row's index in ``known`` (null where ``known`` lacks it), by default
+    among the distinct ids in order of first appearance. ``cache_ids`` are as
+    :func:`link_columns` gives them.
+    """
+    if known is None:
+        known = cast(list[str], cache_ids.unique(maintain_order=True).to_list())
+    codes = cache_ids.replace_strict(
+        known, list(range(len(known))), default=None, return_dtype=pl.UInt32
+    )
+    return known, codes
 
 
 def check_weights(weight: pl.Series, ids: pl.Series, *, allow_empty: bool = False) -> pl.Series:

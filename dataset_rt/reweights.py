@@ -31,7 +31,7 @@ from dataset_rt.errors import (
     MetadataError,
     WeightError,
 )
-from dataset_rt.metadata import check_weights, link_columns
+from dataset_rt.metadata import cache_codes, check_weights, link_columns
 from dataset_rt.program import (
     Program,
     WeightSource,
@@ -345,9 +345,7 @@ def reweight_from_frame(frame: pl.DataFrame, plan: str, cache_ids: Sequence[str]
         )
     keys = pl.DataFrame(_native.plan_samples(plan))  # cache (a code), sample_id: UInt64
     cid, sid = link_columns(frame)
-    codes = cid.replace_strict(
-        list(cache_ids), list(range(len(cache_ids))), default=None, return_dtype=pl.UInt32
-    )
+    _, codes = cache_codes(cid, list(cache_ids))
     given = pl.DataFrame(
         {
             "cache": codes,

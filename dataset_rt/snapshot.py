@@ -18,7 +18,7 @@ import polars as pl
 from dataset_rt import _native
 from dataset_rt.caches import Cache, open_by_id, restore_saved_plan, saved_plan
 from dataset_rt.errors import ArgumentError, MetadataError, SerializationError
-from dataset_rt.metadata import check_weights, link_columns, token_lengths
+from dataset_rt.metadata import cache_codes, check_weights, link_columns, token_lengths
 from dataset_rt.program import (
     Phase,
     Program,
@@ -145,9 +145,8 @@ def _columns(
         caches = [open_by_id(first, root)]
         bounds: list[tuple[int, int, int]] = [(0, cast(int, ids.min()), cast(int, ids.max()))]
     else:
-        uniques = cache_ids.unique(maintain_order=True).to_list()
+        uniques, codes = cache_codes(cache_ids)
         caches = [open_by_id(cid, root) for cid in uniques]
-        codes = cache_ids.replace_strict(uniques, range(len(uniques)), return_dtype=pl.UInt32)
         columns["cache"] = codes
         bounds = list(
             pl.DataFrame({"cache": codes, "sample_id": ids})

@@ -350,6 +350,37 @@ def test_several_caches_in_one_frame(cache: drt.Cache) -> None:
     assert set(from_other) <= set(range(1000, 1010))
 
 
+def test_a_categorical_cache_id_loads_reweights_and_saves_as_strings_do(
+    cache: drt.Cache,
+) -> None:
+    other = drt.cache(
+        ({"x": np.full(4, 1000 + i), "label": 9} for i in range(10)),
+        "other",
+        metadata=lambda r: {"label": r["label"]},
+        progress=False,
+    )
+    both = pl.concat([cache.metadata, other.metadata]).with_columns(
+        weight=pl.col("cache_id").drt.balance()
+    )
+    compact = both.with_columns(pl.col("cache_id").cast(pl.Categorical))
+    options: dict[str, Any] = {"batch_size": 50, "seed": 4, "num_samples": 1000, "collate": list}
+    loaders = [frame.drt.loader(**options) for frame in (both, compact)]
+    assert ids_of(list(loaders[0])) == ids_of(list(loaders[1]))
+    # A re-weight frame of either dtype: only the other cache from here on.
+    for loader, frame in zip(loaders, (both, compact), strict=True):
+        loader.reweight(frame.with_columns(weight=(pl.col("label") == 9).cast(pl.Float64)))
+    drawn = [ids_of(list(loader)) for loader in loaders]
+    assert drawn[0] == drawn[1] and set(drawn[0]) <= set(range(1000, 1010))
+    seen = [loader.seen(epoch=0) for loader in loaders]
+    assert seen[0].equals(seen[1])
+    # A categorical table saves (its rows checked against the cache) and reads back.
+    mine = compact.filter(pl.col("cache_id") == cache.cache_id).head(7)
+    cache.save_metadata(mine)
+    assert cache.metadata["sample_id"].to_list() == list(range(7))
+    with pytest.raises(MetadataError, match="do not belong to cache"):
+        cache.save_metadata(compact)
+
+
 def test_loader_snapshots_its_frame(cache: drt.Cache) -> None:
     frame = cache.metadata
     loader = frame.drt.loader(batch_size=300, shuffle=False, collate=list)
