@@ -144,7 +144,10 @@ impl IndexBuilder {
 /// Writes `batch` as an IPC file at `path`, flushed to disk; returns its size and xxh3-64.
 fn write_batch(path: &Path, schema: &Schema, batch: &RecordBatch) -> Result<(u64, u64)> {
     let file = std::fs::File::create(path).at(path)?;
-    let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(1 << 20, file));
+    let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(
+        crate::format::WRITE_BUFFER,
+        file,
+    ));
     let ipc_err = |e: arrow_schema::ArrowError| Error::Io {
         path: path.to_path_buf(),
         source: std::io::Error::other(e.to_string()),

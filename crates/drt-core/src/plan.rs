@@ -144,7 +144,10 @@ impl Plan {
         let table = weights.map(|w| AliasTable::new(w, "weight")).transpose()?;
         let uniform = table.as_ref().is_some_and(sends_every_column_to_itself);
         let file = std::fs::File::create(path).at(path)?;
-        let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(1 << 20, file));
+        let mut out = HashingWriter::new(std::io::BufWriter::with_capacity(
+            crate::format::WRITE_BUFFER,
+            file,
+        ));
         let mut header = [0u8; HEADER_LEN];
         header[..8].copy_from_slice(PLAN_MAGIC);
         header[8..16].copy_from_slice(&(rows as u64).to_le_bytes());

@@ -13,6 +13,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::format::{
     checksum_hex, shard_file, FileEntry, Manifest, Part, FORMAT_VERSION, INDEX_FILE, METADATA_DIR,
     MIN_OUT_OF_BAND, OOB_MAGIC, RECORD_ALIGN, SHARDS_DIR, SHARD_HEADER_LEN, SHARD_MAGIC,
+    WRITE_BUFFER,
 };
 use crate::index::{HashingWriter, IndexBuilder, Location, MAX_RECORD_LEN};
 
@@ -259,7 +260,7 @@ impl CacheWriter {
             .map_err(|_| Error::InvalidArgument("more than 2^32 shards".into()))?;
         let path = self.dir.join(shard_file(id));
         let file = File::create(&path).at(&path)?;
-        let mut out = HashingWriter::new(BufWriter::with_capacity(1 << 20, file));
+        let mut out = HashingWriter::new(BufWriter::with_capacity(WRITE_BUFFER, file));
         let mut header = [0u8; SHARD_HEADER_LEN as usize];
         header[..8].copy_from_slice(SHARD_MAGIC);
         header[8..16].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
