@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,17 +159,11 @@ class WorkerRing:
         return message
 
     def _pack(self, value: Any, held: set[int]) -> Any:
-        kind = type(value)
-        if kind is torch.Tensor:
+        return _rebuilt(value, lambda leaf: self._pack_leaf(leaf, held))
+
+    def _pack_leaf(self, value: Any, held: set[int]) -> Any:
+        if type(value) is torch.Tensor:
             return self._pack_tensor(value, held)
-        if kind is dict:
-            return {key: self._pack(item, held) for key, item in value.items()}
-        if kind is list:
-            return [self._pack(item, held) for item in value]
-        if kind is tuple:
-            return tuple(self._pack(item, held) for item in value)
-        if issubclass(kind, tuple) and hasattr(value, "_fields"):  # a named tuple
-            return kind(*(self._pack(item, held) for item in value))
         if isinstance(value, _ATOMS):
             return value
         if isinstance(value, np.ndarray) and not value.dtype.hasobject:
@@ -215,6 +210,23 @@ class WorkerRing:
         )
 
 
+def _rebuilt(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with its leaves replaced by ``leaf(item)`` and its containers rebuilt.
+
+    The containers are those a collate builds: dicts, lists, tuples and named tuples.
+    """
+    kind = type(value)
+    if kind is dict:
+        return {key: _rebuilt(item, leaf) for key, item in value.items()}
+    if kind is list:
+        return [_rebuilt(item, leaf) for item in value]
+    if kind is tuple:
+        return tuple(_rebuilt(item, leaf) for item in value)
+    if issubclass(kind, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return kind(*(_rebuilt(item, leaf) for item in value))
+    return leaf(value)
+
+
 def _release(busy: np.ndarray[Any, Any], worker: int, slot: int) -> None:
     busy[worker, slot] = 0
 
@@ -230,26 +242,18 @@ class MainRing:
 
     def unpack(self, message: Any) -> Any:
         """The batch that ``message`` (from :meth:`WorkerRing.pack`) stands for."""
-        return self._unpack(message, {})
+        owners: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
+        return _rebuilt(message, lambda leaf: self._unpack_leaf(leaf, owners))
 
-    def _unpack(self, value: Any, owners: dict[tuple[int, int], np.ndarray[Any, Any]]) -> Any:
-        kind = type(value)
-        if kind is _InRing:
+    def _unpack_leaf(self, value: Any, owners: dict[tuple[int, int], np.ndarray[Any, Any]]) -> Any:
+        if type(value) is _InRing:
             return self._tensor(value, owners)
-        if kind is _Inline:
+        if type(value) is _Inline:
             out = torch.empty(value.size, dtype=value.dtype)
             if value.data:
                 view = out.reshape(-1).view(torch.uint8).numpy()
                 view[:] = np.frombuffer(value.data, dtype=np.uint8)
             return out
-        if kind is dict:
-            return {key: self._unpack(item, owners) for key, item in value.items()}
-        if kind is list:
-            return [self._unpack(item, owners) for item in value]
-        if kind is tuple:
-            return tuple(self._unpack(item, owners) for item in value)
-        if issubclass(kind, tuple) and hasattr(value, "_fields"):
-            return kind(*(self._unpack(item, owners) for item in value))
         return value
 
     def _tensor(

@@ -334,16 +334,21 @@ def test_ranks_share_one_stream_disjointly_with_equal_batch_counts(cache: drt.Ca
         assert interleaved == stream
 
 
-def test_several_caches_in_one_frame(cache: drt.Cache) -> None:
+def with_other_cache(cache: drt.Cache) -> pl.DataFrame:
+    """``cache``'s rows and a second cache's 10 (records 1000 to 1009), each cache half."""
     other = drt.cache(
         ({"x": np.full(4, 1000 + i), "label": 9} for i in range(10)),
         "other",
         metadata=lambda r: {"label": r["label"]},
         progress=False,
     )
-    both = pl.concat([cache.metadata, other.metadata]).with_columns(
+    return pl.concat([cache.metadata, other.metadata]).with_columns(
         weight=pl.col("cache_id").drt.balance()
     )
+
+
+def test_several_caches_in_one_frame(cache: drt.Cache) -> None:
+    both = with_other_cache(cache)
     seen = ids_of(list(both.drt.loader(batch_size=50, seed=0, num_samples=2000, collate=list)))
     from_other = [i for i in seen if i >= 1000]
     assert 800 < len(from_other) < 1200
@@ -353,15 +358,7 @@ def test_several_caches_in_one_frame(cache: drt.Cache) -> None:
 def test_a_categorical_cache_id_loads_reweights_and_saves_as_strings_do(
     cache: drt.Cache,
 ) -> None:
-    other = drt.cache(
-        ({"x": np.full(4, 1000 + i), "label": 9} for i in range(10)),
-        "other",
-        metadata=lambda r: {"label": r["label"]},
-        progress=False,
-    )
-    both = pl.concat([cache.metadata, other.metadata]).with_columns(
-        weight=pl.col("cache_id").drt.balance()
-    )
+    both = with_other_cache(cache)
     compact = both.with_columns(pl.col("cache_id").cast(pl.Categorical))
     options: dict[str, Any] = {"batch_size": 50, "seed": 4, "num_samples": 1000, "collate": list}
     loaders = [frame.drt.loader(**options) for frame in (both, compact)]
