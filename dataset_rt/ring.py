@@ -133,9 +133,16 @@ class WorkerRing:
             return self._new(spare.index, rounded)
         return None
 
-    def _new(self, index: int, nbytes: int) -> _Segment:
+    def _new(self, index: int, nbytes: int) -> _Segment | None:
+        """A new segment at ``index``, or ``None`` where shared memory is short.
+
+        A small ``/dev/shm``, as in a container: the batch then goes PyTorch's way.
+        """
         self._generations += 1
-        segment = _Segment(index, self._generations, nbytes)
+        try:
+            segment = _Segment(index, self._generations, nbytes)
+        except (RuntimeError, OSError):
+            return None
         self._segments[index] = segment
         return segment
 
