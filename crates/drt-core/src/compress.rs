@@ -93,9 +93,23 @@ impl Codec {
         *self == Codec::None
     }
 
-    /// Decodes a stored record: `Err` says what is wrong with it (the caller names the file
-    /// and the sample). Must not be called for [`Codec::None`].
+    /// Decodes a stored record into memory of its own: `Err` says what is wrong with it
+    /// (the caller names the file and the sample). Must not be called for [`Codec::None`].
     pub fn decompress(&self, stored: &[u8]) -> std::result::Result<Decoded, String> {
+        let (len, block) = self.decoded_len(stored)?;
+        let mut decoded = Decoded::zeroed(len)?;
+        self.decode_into(block, decoded.bytes_mut())?;
+        Ok(decoded)
+    }
+
+    /// A stored record's decoded length, from its header, and its codec block: checked
+    /// against what the block can hold, so that a damaged header never makes a reader
+    /// allocate more than the record could decode to. Must not be called for
+    /// [`Codec::None`].
+    pub fn decoded_len<'a>(
+        &self,
+        stored: &'a [u8],
+    ) -> std::result::Result<(usize, &'a [u8]), String> {
         let Some((header, block)) = stored.split_first_chunk::<HEADER_LEN>() else {
             return Err(format!(
                 "a compressed record of {} bytes is shorter than its header",
@@ -108,8 +122,8 @@ impl Codec {
                 "its header records an implausible length of {len} bytes"
             ));
         }
-        // A damaged header must not make a reader allocate what the block cannot hold.
         match self {
+            Codec::None => return Err("the cache is not compressed".into()),
             Codec::Zstd { .. } => {
                 let framed = zstd::zstd_safe::get_frame_content_size(block)
                     .ok()
@@ -127,10 +141,17 @@ impl Codec {
                     block.len()
                 ));
             }
-            _ => {}
+            Codec::Lz4 => {}
         }
-        let mut decoded = Decoded::zeroed(len as usize)?;
-        let out = decoded.bytes_mut();
+        let len = usize::try_from(len).map_err(|_| format!("{len} bytes do not fit in memory"))?;
+        Ok((len, block))
+    }
+
+    /// Decodes `block` (as [`decoded_len`](Self::decoded_len) gave it) into `out`, which is
+    /// exactly as long as the record decodes to: a reader decodes straight into the place
+    /// the record goes (a batch's buffer), with no buffer of the record's own between.
+    pub fn decode_into(&self, block: &[u8], out: &mut [u8]) -> std::result::Result<(), String> {
+        let len = out.len();
         let written = match self {
             Codec::None => return Err("the cache is not compressed".into()),
             Codec::Zstd { .. } => DECOMPRESSOR
@@ -152,12 +173,12 @@ impl Codec {
             }
         }
         .map_err(|e| format!("cannot decompress it ({}): {e}", self.name()))?;
-        if written != len as usize {
+        if written != len {
             return Err(format!(
                 "it decompresses to {written} bytes, but its header records {len}"
             ));
         }
-        Ok(decoded)
+        Ok(())
     }
 }
 

@@ -105,9 +105,10 @@ impl Eq for Recycle {}
 pub const BATCH_ALIGN: usize = crate::format::RECORD_ALIGN;
 
 impl Batch {
-    /// Records `sample_ids` of `reader`, in order, as one batch: each copied into the
-    /// batch's buffer at an aligned address, or left in its mapped shard where `views` says
-    /// so. A shard that shrank under the reads is an error, and the reader stops serving.
+    /// Records `sample_ids` of `reader`, in order, as one batch: each copied (or for a
+    /// compressed cache decoded) into the batch's buffer at an aligned address, or left in
+    /// its mapped shard where `views` says so. A shard that shrank under the reads is an
+    /// error, and the reader stops serving.
     pub fn of_records(
         reader: &CacheReader,
         sample_ids: &[u64],
@@ -115,14 +116,16 @@ impl Batch {
         views: Option<&ViewRule>,
     ) -> Result<Batch> {
         let (result, faulted) = crate::sigbus::guarded(|| {
-            let spans = sample_ids
+            let stored = sample_ids
                 .iter()
-                .map(|&id| reader.span(id, verify))
+                .map(|&id| stored_for_batch(reader, id, verify, views))
                 .collect::<Result<Vec<_>>>()?;
             let mut batch = Batch::default();
             batch.caches = vec![0; sample_ids.len()];
             batch.sample_ids = sample_ids.to_vec();
-            batch.gather(spans, views, Vec::with_capacity);
+            batch.gather(stored, views, Vec::with_capacity, |_, id, bytes, out| {
+                reader.decode_into(id, bytes, out)
+            })?;
             Ok(batch)
         });
         if faulted {
@@ -132,39 +135,69 @@ impl Batch {
         result
     }
 
-    /// Fills the batch with the records at `spans` (one per record, in order): those that
-    /// `views` applies to stay in their shard (their pages touched now), the others are
-    /// copied into a buffer from `buffer(capacity)`. Must run in a guarded section.
+    /// Fills the batch with the records `stored` (one per record, in order, as
+    /// [`CacheReader::stored_span`] gives them): those that `views` applies to stay in their
+    /// shard (their pages touched now), the others are copied into a buffer from
+    /// `buffer(capacity)`, or decoded into it by `decode(cache, sample_id, stored, out)`
+    /// where the cache is compressed. Must run in a guarded section.
     fn gather(
         &mut self,
-        spans: Vec<Span>,
+        stored: Vec<(Span, Option<usize>)>,
         views: Option<&ViewRule>,
         buffer: impl FnOnce(usize) -> Vec<u8>,
-    ) {
-        let outside: Vec<bool> = spans
+        mut decode: impl FnMut(u32, u64, &[u8], &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        // Records still to decode go into the buffer, their one copy.
+        let outside: Vec<bool> = stored
             .iter()
-            .map(|span| views.is_some_and(|rule| rule.applies(span)))
+            .map(|(span, decoded)| decoded.is_none() && views.is_some_and(|r| r.applies(span)))
             .collect();
-        for (span, _) in spans.iter().zip(&outside).filter(|(_, &out)| out) {
+        for ((span, _), _) in stored.iter().zip(&outside).filter(|(_, &out)| out) {
             touch(span.bytes());
         }
-        // Records left in place take no room in the buffer: an empty slice each.
-        let records: Vec<&[u8]> = spans
+        // Records left in place take no room in the buffer.
+        let total: usize = stored
             .iter()
             .zip(&outside)
-            .map(|(span, &out)| if out { &[][..] } else { span.bytes() })
-            .collect();
-        let total = records.iter().map(|r| r.len()).sum::<usize>();
-        self.data = buffer(total + (records.len() + 1) * (BATCH_ALIGN - 1));
-        self.fill(&records, total);
-        drop(records);
+            .filter(|(_, &out)| !out)
+            .map(|((span, decoded), _)| decoded.unwrap_or(span.bytes().len()))
+            .sum();
+        let room = total + (stored.len() + 1) * (BATCH_ALIGN - 1);
+        self.data = buffer(room);
+        // Room for every record and its worst-case padding, so the buffer never moves
+        // while it is filled and the addresses computed from `base` stay true.
+        self.data.reserve_exact(room);
+        self.starts.reserve_exact(stored.len());
+        self.ends.reserve_exact(stored.len());
+        let base = self.data.as_ptr() as usize;
+        for (i, ((span, decoded), &out)) in stored.iter().zip(&outside).enumerate() {
+            let misalign = (base + self.data.len()) % BATCH_ALIGN;
+            if misalign != 0 {
+                self.data
+                    .resize(self.data.len() + BATCH_ALIGN - misalign, 0);
+            }
+            let start = self.data.len();
+            self.starts.push(start as u64);
+            match (out, decoded) {
+                (true, _) => {}
+                (false, None) => self.data.extend_from_slice(span.bytes()),
+                (false, &Some(len)) => {
+                    self.data.resize(start + len, 0);
+                    let (cache, id) = (self.caches[i], self.sample_ids[i]);
+                    decode(cache, id, span.bytes(), &mut self.data[start..])?;
+                }
+            }
+            self.ends.push(self.data.len() as u64);
+        }
+        debug_assert_eq!(self.data.as_ptr() as usize, base, "the batch buffer moved");
         if outside.iter().any(|&out| out) {
-            self.outside = spans
+            self.outside = stored
                 .into_iter()
                 .zip(outside)
-                .map(|(span, out)| out.then_some(span))
+                .map(|((span, _), out)| out.then_some(span))
                 .collect();
         }
+        Ok(())
     }
 
     /// The bytes of record `i`. Those of a record left in its shard may be read outside a
@@ -186,29 +219,6 @@ impl Batch {
         let inside: u64 = self.starts.iter().zip(&self.ends).map(|(s, e)| e - s).sum();
         let outside: usize = self.outside.iter().flatten().map(|s| s.bytes().len()).sum();
         inside + outside as u64
-    }
-
-    /// Copies `records` (of total length `total`) into the batch's buffer, each at a
-    /// [`BATCH_ALIGN`]-aligned address.
-    pub fn fill(&mut self, records: &[&[u8]], total: usize) {
-        // Room for every record and its worst-case padding, so the buffer never moves
-        // while it is filled and the addresses computed from `base` stay true.
-        self.data
-            .reserve_exact(total + (records.len() + 1) * (BATCH_ALIGN - 1));
-        self.starts.reserve_exact(records.len());
-        self.ends.reserve_exact(records.len());
-        let base = self.data.as_ptr() as usize;
-        for record in records {
-            let misalign = (base + self.data.len()) % BATCH_ALIGN;
-            if misalign != 0 {
-                self.data
-                    .resize(self.data.len() + BATCH_ALIGN - misalign, 0);
-            }
-            self.starts.push(self.data.len() as u64);
-            self.data.extend_from_slice(record);
-            self.ends.push(self.data.len() as u64);
-        }
-        debug_assert_eq!(self.data.as_ptr() as usize, base, "the batch buffer moved");
     }
 
     /// Number of records.
@@ -275,6 +285,26 @@ impl ViewRule {
             && (bytes.as_ptr() as usize).is_multiple_of(BATCH_ALIGN)
             && bytes.len() >= self.min_len
             && bytes.starts_with(self.prefix)
+    }
+}
+
+/// Record `sample_id` of `reader` as [`Batch::gather`] takes it: its stored bytes, with the
+/// length they decode to for a compressed cache (decoded into the batch's buffer, no memory
+/// of its own between). A compressed record long enough for `views` is decoded into memory
+/// of its own now instead, as before batches decoded in place: arrays left viewing it keep
+/// that record alive, not the whole batch's buffer.
+fn stored_for_batch(
+    reader: &CacheReader,
+    sample_id: u64,
+    verify: bool,
+    views: Option<&ViewRule>,
+) -> Result<(Span, Option<usize>)> {
+    let (span, decoded) = reader.stored_span(sample_id, verify)?;
+    match (decoded, views) {
+        (Some(len), Some(rule)) if len >= rule.min_len => {
+            Ok((reader.span(sample_id, false)?, None))
+        }
+        _ => Ok((span, decoded)),
     }
 }
 
@@ -443,14 +473,23 @@ impl Source {
             batch.caches.push(cache);
             batch.sample_ids.push(sample_id);
         }
-        let mut spans = Vec::with_capacity(batch.len());
+        let mut stored = Vec::with_capacity(batch.len());
         for (&cache, &sample_id) in batch.caches.iter().zip(&batch.sample_ids) {
-            spans.push(self.reader(cache)?.span(sample_id, self.verify)?);
+            let reader = self.reader(cache)?;
+            stored.push(stored_for_batch(
+                reader,
+                sample_id,
+                self.verify,
+                self.views.as_deref(),
+            )?);
         }
         batch.recycle = Recycle(Some(self.recycler.clone()));
-        batch.gather(spans, self.views.as_deref(), |capacity| {
-            self.recycler.take(capacity)
-        });
+        batch.gather(
+            stored,
+            self.views.as_deref(),
+            |capacity| self.recycler.take(capacity),
+            |cache, sample_id, bytes, out| self.reader(cache)?.decode_into(sample_id, bytes, out),
+        )?;
         Ok(batch)
     }
 }
@@ -669,6 +708,125 @@ mod tests {
         let span = batch.outside(3).unwrap().clone();
         drop((batch, src));
         assert_eq!(span.bytes(), &records[3][..]);
+    }
+
+    #[test]
+    fn compressed_records_are_decoded_into_the_batch_and_damage_is_named() {
+        use crate::compress::Codec;
+        for compression in [Codec::Zstd { level: 3 }, Codec::Lz4] {
+            let dir = tempfile::tempdir().unwrap();
+            // Records with the view prefix, short and long: a long one is decoded into
+            // memory of its own and left out of the buffer, a short one decoded into it.
+            let records: Vec<Vec<u8>> = (0..9u8)
+                .map(|i| {
+                    [
+                        b"VIEW".as_slice(),
+                        &vec![i; 100 + 3000 * usize::from(i % 3)],
+                    ]
+                    .concat()
+                })
+                .collect();
+            let opts = WriteOptions {
+                compression,
+                ..WriteOptions::default()
+            };
+            crate::reader::tests::build(dir.path(), &records, opts);
+            let reader = CacheReader::open(dir.path()).unwrap();
+            let rule = ViewRule {
+                prefix: b"VIEW",
+                min_len: 1000,
+            };
+            let ids: Vec<u64> = vec![8, 0, 4, 4, 1];
+            let batch = Batch::of_records(&reader, &ids, true, Some(&rule)).unwrap();
+            for (i, &id) in ids.iter().enumerate() {
+                assert_eq!(
+                    batch.record(i),
+                    &records[id as usize][..],
+                    "{compression:?} {i}"
+                );
+                assert_eq!(batch.record(i).as_ptr() as usize % BATCH_ALIGN, 0);
+                assert_eq!(
+                    batch.outside(i).is_some(),
+                    id % 3 != 0,
+                    "{compression:?} {i}"
+                );
+            }
+            let total: usize = ids.iter().map(|&id| records[id as usize].len()).sum();
+            assert_eq!(batch.payload_len(), total as u64);
+
+            // Record 4's header says it decodes to one byte more than it does.
+            let stored = reader.record(4).unwrap().to_vec();
+            drop((batch, reader));
+            let shard = dir.path().join("shards/00000.bin");
+            let mut bytes = std::fs::read(&shard).unwrap();
+            let at = bytes
+                .windows(stored.len())
+                .position(|w| w == stored)
+                .unwrap();
+            bytes[at] = bytes[at].wrapping_add(1);
+            std::fs::write(&shard, &bytes).unwrap();
+            let reader = CacheReader::open(dir.path()).unwrap();
+            let err = Batch::of_records(&reader, &[0, 4], false, None).unwrap_err();
+            let text = err.to_string();
+            assert!(
+                text.contains("sample_id 4") && text.contains("00000.bin"),
+                "{text}"
+            );
+            assert!(matches!(err, Error::Corrupt { .. }), "{err:?}");
+            let fine = Batch::of_records(&reader, &[0, 5], false, None).unwrap();
+            assert_eq!(fine.record(1), &records[5][..]);
+        }
+    }
+
+    #[test]
+    fn compressed_batches_name_damage_and_stop_at_a_truncated_shard() {
+        use crate::compress::Codec;
+        let dir = tempfile::tempdir().unwrap();
+        // 24 records of 64 KiB, in one shard.
+        let records: Vec<Vec<u8>> = (0..24u32)
+            .map(|i| (0..65_536u32).map(|j| (j / (i + 1) % 251) as u8).collect())
+            .collect();
+        let opts = WriteOptions {
+            compression: Codec::Zstd { level: 3 },
+            ..WriteOptions::default()
+        };
+        crate::reader::tests::build(dir.path(), &records, opts);
+        let reader = CacheReader::open(dir.path()).unwrap();
+        let ids: Vec<u64> = (0..24).rev().chain([3, 3, 20]).collect();
+        let batch = Batch::of_records(&reader, &ids, true, None).unwrap();
+        for (i, &id) in ids.iter().enumerate() {
+            assert_eq!(batch.record(i), &records[id as usize][..], "record {i}");
+            assert_eq!(batch.record(i).as_ptr() as usize % BATCH_ALIGN, 0);
+        }
+        // One damaged record among them fails the batch, named.
+        let stored = reader.record(2).unwrap().to_vec();
+        let shard = dir.path().join("shards/00000.bin");
+        let mut bytes = std::fs::read(&shard).unwrap();
+        let at = bytes
+            .windows(stored.len())
+            .position(|w| w == stored)
+            .unwrap();
+        let last = at + stored.len() - 3;
+        bytes[last] ^= 0xff;
+        std::fs::write(&shard, &bytes).unwrap();
+        drop(reader);
+        let reader = CacheReader::open(dir.path()).unwrap();
+        let err = Batch::of_records(&reader, &ids, false, None).unwrap_err();
+        assert!(err.to_string().contains("sample_id 2"), "{err}");
+        // A shard truncated under the mapping: an error, and the reader stops serving.
+        let reader = CacheReader::open(dir.path()).unwrap();
+        let healthy: Vec<u64> = (3..24).collect();
+        Batch::of_records(&reader, &healthy, false, None).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&shard)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let err = Batch::of_records(&reader, &healthy, false, None).unwrap_err();
+        assert!(err.to_string().contains("shrank"), "{err}");
+        let err = Batch::of_records(&reader, &[0], false, None).unwrap_err();
+        assert!(err.to_string().contains("shrank"), "{err}");
     }
 
     #[test]

@@ -402,6 +402,42 @@ impl CacheReader {
         Ok(Span::decoded(decoded))
     }
 
+    /// Record `sample_id` as a batch reads it: its stored bytes as a span of the mapped shard
+    /// (checked against its checksum if `verify`), and for a compressed cache the length it
+    /// decodes to, which [`decode_into`](Self::decode_into) fills. Must run in a guarded
+    /// section.
+    pub fn stored_span(&self, sample_id: u64, verify: bool) -> Result<(Span, Option<usize>)> {
+        let (loc, shard, map) = self.checked_location(sample_id)?;
+        let (start, end) = (loc.offset as usize, (loc.offset + loc.length) as usize);
+        let stored = &map[start..end];
+        if verify {
+            self.check_digest(sample_id, shard, stored)?;
+        }
+        let decoded = if self.codec.is_none() {
+            None
+        } else {
+            let (len, _) = self.codec.decoded_len(stored).map_err(|why| {
+                Error::corrupt(&shard.path, format!("sample_id {sample_id}: {why}"))
+            })?;
+            Some(len)
+        };
+        Ok((Span::new(map.clone(), start, end), decoded))
+    }
+
+    /// Decodes record `sample_id`, whose stored bytes [`stored_span`](Self::stored_span)
+    /// gave as `stored`, into `out`, as long as the length it gave. Must run in a guarded
+    /// section.
+    pub fn decode_into(&self, sample_id: u64, stored: &[u8], out: &mut [u8]) -> Result<()> {
+        let decoded = self
+            .codec
+            .decoded_len(stored)
+            .and_then(|(_, block)| self.codec.decode_into(block, out));
+        decoded.map_err(|why| match self.shard_of(sample_id) {
+            Ok((_, shard)) => Error::corrupt(&shard.path, format!("sample_id {sample_id}: {why}")),
+            Err(e) => e,
+        })
+    }
+
     /// [`span`](Self::span) in a guarded section: a shard that shrank under the read (with
     /// `verify`, every byte is read) is an error, and the reader stops serving.
     pub fn guarded_span(&self, sample_id: u64, verify: bool) -> Result<Span> {
