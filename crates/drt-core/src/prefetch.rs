@@ -258,23 +258,38 @@ pub struct Source {
 }
 
 /// Records left in their mapped shard instead of copied into the batch: those at least
-/// `min_len` bytes long that start with `prefix` at an address aligned to [`BATCH_ALIGN`]
-/// bytes (as a copy in the batch would be).
+/// `min_len` bytes long that start with `prefix` at an address aligned to `align` bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ViewRule {
     /// The leading bytes of records to leave in place (the out-of-band record header).
     pub prefix: &'static [u8],
     /// The shortest record worth leaving in place.
     pub min_len: usize,
+    /// Where a record left in place must start: a multiple of this many bytes.
+    pub align: usize,
 }
 
 impl ViewRule {
     /// The rule of loaders over caches of the default serializer: records with out-of-band
-    /// buffers of [`MIN_OUT_OF_BAND`](crate::format::MIN_OUT_OF_BAND) bytes or more.
+    /// buffers of [`MIN_OUT_OF_BAND`](crate::format::MIN_OUT_OF_BAND) bytes or more, at a
+    /// [`BATCH_ALIGN`]-aligned address (as a copy in the batch would be), which their arrays
+    /// view.
     pub fn out_of_band() -> Self {
         Self {
             prefix: crate::format::OOB_MAGIC,
             min_len: crate::format::MIN_OUT_OF_BAND,
+            align: BATCH_ALIGN,
+        }
+    }
+
+    /// Every record stored as it is, wherever it starts: the rule of loaders whose decoders
+    /// take each record as `bytes`, a copy they make anyway. Copying it into the batch first
+    /// would be a second copy, on the reading thread, which bounds raw reads of small records.
+    pub fn every_record() -> Self {
+        Self {
+            prefix: b"",
+            min_len: 0,
+            align: 1,
         }
     }
 
@@ -282,9 +297,17 @@ impl ViewRule {
     pub fn applies(&self, span: &Span) -> bool {
         let bytes = span.bytes();
         span.viewable()
-            && (bytes.as_ptr() as usize).is_multiple_of(BATCH_ALIGN)
+            && (bytes.as_ptr() as usize).is_multiple_of(self.align)
             && bytes.len() >= self.min_len
             && bytes.starts_with(self.prefix)
+    }
+
+    /// Whether a compressed record that decodes to `len` bytes gets memory of its own (and
+    /// the rule applied to it), instead of being decoded into the batch's buffer: when it is
+    /// long enough for arrays to view it, which may outlive the batch. Never under
+    /// [`every_record`](Self::every_record), whose consumers copy every record.
+    fn own_memory(&self, len: usize) -> bool {
+        self.min_len > 0 && len >= self.min_len
     }
 }
 
@@ -301,7 +324,7 @@ fn stored_for_batch(
 ) -> Result<(Span, Option<usize>)> {
     let (span, decoded) = reader.stored_span(sample_id, verify)?;
     match (decoded, views) {
-        (Some(len), Some(rule)) if len >= rule.min_len => {
+        (Some(len), Some(rule)) if rule.own_memory(len) => {
             Ok((reader.span(sample_id, false)?, None))
         }
         _ => Ok((span, decoded)),
@@ -331,7 +354,9 @@ pub struct SourceOptions {
     pub epoch: u64,
     /// Check every record against its checksum.
     pub verify: bool,
-    /// Leave records with large out-of-band buffers in their shard ([`ViewRule::out_of_band`]).
+    /// Leave records with large out-of-band buffers in their shard
+    /// ([`ViewRule::out_of_band`]), for decoders that view them; otherwise every record
+    /// stored as it is ([`ViewRule::every_record`]), for decoders that copy each into `bytes`.
     pub views: bool,
 }
 
@@ -368,7 +393,11 @@ impl Source {
             schedule,
             verify: options.verify,
             recycler: Arc::default(),
-            views: options.views.then(|| Arc::new(ViewRule::out_of_band())),
+            views: Some(Arc::new(if options.views {
+                ViewRule::out_of_band()
+            } else {
+                ViewRule::every_record()
+            })),
         })
     }
 
@@ -692,6 +721,7 @@ mod tests {
             views: Some(Arc::new(ViewRule {
                 prefix: b"VIEW",
                 min_len: 1000,
+                align: BATCH_ALIGN,
             })),
         };
         let batch = src.read(0).unwrap();
@@ -735,6 +765,7 @@ mod tests {
             let rule = ViewRule {
                 prefix: b"VIEW",
                 min_len: 1000,
+                align: BATCH_ALIGN,
             };
             let ids: Vec<u64> = vec![8, 0, 4, 4, 1];
             let batch = Batch::of_records(&reader, &ids, true, Some(&rule)).unwrap();
@@ -827,6 +858,39 @@ mod tests {
         assert!(err.to_string().contains("shrank"), "{err}");
         let err = Batch::of_records(&reader, &[0], false, None).unwrap_err();
         assert!(err.to_string().contains("shrank"), "{err}");
+    }
+
+    #[test]
+    fn under_the_every_record_rule_stored_records_stay_in_place_and_compressed_ones_decode_in() {
+        use crate::compress::Codec;
+        let records: Vec<Vec<u8>> = (0..10u8)
+            .map(|i| vec![i; 37 + 500 * usize::from(i)])
+            .collect();
+        for compression in [Codec::None, Codec::Lz4] {
+            let dir = tempfile::tempdir().unwrap();
+            let opts = WriteOptions {
+                compression,
+                ..WriteOptions::default()
+            };
+            crate::reader::tests::build(dir.path(), &records, opts);
+            let reader = CacheReader::open(dir.path()).unwrap();
+            let ids: Vec<u64> = vec![9, 1, 1, 0, 5];
+            let rule = ViewRule::every_record();
+            let batch = Batch::of_records(&reader, &ids, true, Some(&rule)).unwrap();
+            for (i, &id) in ids.iter().enumerate() {
+                assert_eq!(
+                    batch.record(i),
+                    &records[id as usize][..],
+                    "{compression:?} {i}"
+                );
+                // Left in the shard when stored as they are: nothing copied into the buffer.
+                assert_eq!(batch.outside(i).is_some(), compression.is_none());
+            }
+            let total: usize = ids.iter().map(|&id| records[id as usize].len()).sum();
+            assert_eq!(batch.payload_len(), total as u64);
+            // At most alignment padding in the buffer when every record stayed in place.
+            assert_eq!(batch.data.len() < BATCH_ALIGN, compression.is_none());
+        }
     }
 
     #[test]
