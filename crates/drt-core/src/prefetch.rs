@@ -618,6 +618,7 @@ impl Drop for Prefetcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compress::Codec;
     use crate::format::Manifest;
     use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};
 
@@ -740,62 +741,73 @@ mod tests {
         assert_eq!(span.bytes(), &records[3][..]);
     }
 
+    /// `records` written as a cache into `dir` with `compression`, open.
+    fn cache_of(dir: &Path, records: &[Vec<u8>], compression: Codec) -> CacheReader {
+        let opts = WriteOptions {
+            compression,
+            ..WriteOptions::default()
+        };
+        crate::reader::tests::build(dir, records, opts);
+        CacheReader::open(dir).unwrap()
+    }
+
+    /// Checks that `batch` holds records `ids` of `records`, in order.
+    fn assert_holds(batch: &Batch, ids: &[u64], records: &[Vec<u8>], what: &str) {
+        for (i, &id) in ids.iter().enumerate() {
+            assert_eq!(batch.record(i), &records[id as usize][..], "{what} {i}");
+        }
+        let total: usize = ids.iter().map(|&id| records[id as usize].len()).sum();
+        assert_eq!(batch.payload_len(), total as u64, "{what}");
+    }
+
+    /// Changes one byte of the stored bytes of record `sample_id` of the cache in `dir`, at
+    /// `at(len)` of its `len` stored bytes.
+    fn damage(dir: &Path, reader: CacheReader, sample_id: u64, at: impl Fn(usize) -> usize) {
+        let stored = reader.record(sample_id).unwrap().to_vec();
+        drop(reader);
+        let shard = dir.join("shards/00000.bin");
+        let mut bytes = std::fs::read(&shard).unwrap();
+        let start = bytes
+            .windows(stored.len())
+            .position(|w| w == stored)
+            .unwrap();
+        let i = start + at(stored.len());
+        bytes[i] = bytes[i].wrapping_add(1);
+        std::fs::write(&shard, &bytes).unwrap();
+    }
+
     #[test]
     fn compressed_records_are_decoded_into_the_batch_and_damage_is_named() {
-        use crate::compress::Codec;
+        // Records with the view prefix, short and long: a long one is decoded into memory of
+        // its own and left out of the buffer, a short one decoded into it.
+        let records: Vec<Vec<u8>> = (0..9u8)
+            .map(|i| {
+                [
+                    b"VIEW".as_slice(),
+                    &vec![i; 100 + 3000 * usize::from(i % 3)],
+                ]
+                .concat()
+            })
+            .collect();
+        let rule = ViewRule {
+            prefix: b"VIEW",
+            min_len: 1000,
+            align: BATCH_ALIGN,
+        };
         for compression in [Codec::Zstd { level: 3 }, Codec::Lz4] {
             let dir = tempfile::tempdir().unwrap();
-            // Records with the view prefix, short and long: a long one is decoded into
-            // memory of its own and left out of the buffer, a short one decoded into it.
-            let records: Vec<Vec<u8>> = (0..9u8)
-                .map(|i| {
-                    [
-                        b"VIEW".as_slice(),
-                        &vec![i; 100 + 3000 * usize::from(i % 3)],
-                    ]
-                    .concat()
-                })
-                .collect();
-            let opts = WriteOptions {
-                compression,
-                ..WriteOptions::default()
-            };
-            crate::reader::tests::build(dir.path(), &records, opts);
-            let reader = CacheReader::open(dir.path()).unwrap();
-            let rule = ViewRule {
-                prefix: b"VIEW",
-                min_len: 1000,
-                align: BATCH_ALIGN,
-            };
+            let reader = cache_of(dir.path(), &records, compression);
             let ids: Vec<u64> = vec![8, 0, 4, 4, 1];
             let batch = Batch::of_records(&reader, &ids, true, Some(&rule)).unwrap();
+            let what = format!("{compression:?}");
+            assert_holds(&batch, &ids, &records, &what);
             for (i, &id) in ids.iter().enumerate() {
-                assert_eq!(
-                    batch.record(i),
-                    &records[id as usize][..],
-                    "{compression:?} {i}"
-                );
                 assert_eq!(batch.record(i).as_ptr() as usize % BATCH_ALIGN, 0);
-                assert_eq!(
-                    batch.outside(i).is_some(),
-                    id % 3 != 0,
-                    "{compression:?} {i}"
-                );
+                assert_eq!(batch.outside(i).is_some(), id % 3 != 0, "{what} {i}");
             }
-            let total: usize = ids.iter().map(|&id| records[id as usize].len()).sum();
-            assert_eq!(batch.payload_len(), total as u64);
-
+            drop(batch);
             // Record 4's header says it decodes to one byte more than it does.
-            let stored = reader.record(4).unwrap().to_vec();
-            drop((batch, reader));
-            let shard = dir.path().join("shards/00000.bin");
-            let mut bytes = std::fs::read(&shard).unwrap();
-            let at = bytes
-                .windows(stored.len())
-                .position(|w| w == stored)
-                .unwrap();
-            bytes[at] = bytes[at].wrapping_add(1);
-            std::fs::write(&shard, &bytes).unwrap();
+            damage(dir.path(), reader, 4, |_| 0);
             let reader = CacheReader::open(dir.path()).unwrap();
             let err = Batch::of_records(&reader, &[0, 4], false, None).unwrap_err();
             let text = err.to_string();
@@ -805,52 +817,33 @@ mod tests {
             );
             assert!(matches!(err, Error::Corrupt { .. }), "{err:?}");
             let fine = Batch::of_records(&reader, &[0, 5], false, None).unwrap();
-            assert_eq!(fine.record(1), &records[5][..]);
+            assert_holds(&fine, &[0, 5], &records, &what);
         }
     }
 
     #[test]
     fn compressed_batches_name_damage_and_stop_at_a_truncated_shard() {
-        use crate::compress::Codec;
         let dir = tempfile::tempdir().unwrap();
         // 24 records of 64 KiB, in one shard.
         let records: Vec<Vec<u8>> = (0..24u32)
             .map(|i| (0..65_536u32).map(|j| (j / (i + 1) % 251) as u8).collect())
             .collect();
-        let opts = WriteOptions {
-            compression: Codec::Zstd { level: 3 },
-            ..WriteOptions::default()
-        };
-        crate::reader::tests::build(dir.path(), &records, opts);
-        let reader = CacheReader::open(dir.path()).unwrap();
+        let reader = cache_of(dir.path(), &records, Codec::Zstd { level: 3 });
         let ids: Vec<u64> = (0..24).rev().chain([3, 3, 20]).collect();
         let batch = Batch::of_records(&reader, &ids, true, None).unwrap();
-        for (i, &id) in ids.iter().enumerate() {
-            assert_eq!(batch.record(i), &records[id as usize][..], "record {i}");
-            assert_eq!(batch.record(i).as_ptr() as usize % BATCH_ALIGN, 0);
-        }
+        assert_holds(&batch, &ids, &records, "zstd");
+        drop(batch);
         // One damaged record among them fails the batch, named.
-        let stored = reader.record(2).unwrap().to_vec();
-        let shard = dir.path().join("shards/00000.bin");
-        let mut bytes = std::fs::read(&shard).unwrap();
-        let at = bytes
-            .windows(stored.len())
-            .position(|w| w == stored)
-            .unwrap();
-        let last = at + stored.len() - 3;
-        bytes[last] ^= 0xff;
-        std::fs::write(&shard, &bytes).unwrap();
-        drop(reader);
+        damage(dir.path(), reader, 2, |len| len - 3);
         let reader = CacheReader::open(dir.path()).unwrap();
         let err = Batch::of_records(&reader, &ids, false, None).unwrap_err();
         assert!(err.to_string().contains("sample_id 2"), "{err}");
         // A shard truncated under the mapping: an error, and the reader stops serving.
-        let reader = CacheReader::open(dir.path()).unwrap();
         let healthy: Vec<u64> = (3..24).collect();
         Batch::of_records(&reader, &healthy, false, None).unwrap();
         std::fs::OpenOptions::new()
             .write(true)
-            .open(&shard)
+            .open(dir.path().join("shards/00000.bin"))
             .unwrap()
             .set_len(4096)
             .unwrap();
@@ -862,32 +855,20 @@ mod tests {
 
     #[test]
     fn under_the_every_record_rule_stored_records_stay_in_place_and_compressed_ones_decode_in() {
-        use crate::compress::Codec;
         let records: Vec<Vec<u8>> = (0..10u8)
             .map(|i| vec![i; 37 + 500 * usize::from(i)])
             .collect();
         for compression in [Codec::None, Codec::Lz4] {
             let dir = tempfile::tempdir().unwrap();
-            let opts = WriteOptions {
-                compression,
-                ..WriteOptions::default()
-            };
-            crate::reader::tests::build(dir.path(), &records, opts);
-            let reader = CacheReader::open(dir.path()).unwrap();
+            let reader = cache_of(dir.path(), &records, compression);
             let ids: Vec<u64> = vec![9, 1, 1, 0, 5];
             let rule = ViewRule::every_record();
             let batch = Batch::of_records(&reader, &ids, true, Some(&rule)).unwrap();
-            for (i, &id) in ids.iter().enumerate() {
-                assert_eq!(
-                    batch.record(i),
-                    &records[id as usize][..],
-                    "{compression:?} {i}"
-                );
+            assert_holds(&batch, &ids, &records, &format!("{compression:?}"));
+            for i in 0..ids.len() {
                 // Left in the shard when stored as they are: nothing copied into the buffer.
                 assert_eq!(batch.outside(i).is_some(), compression.is_none());
             }
-            let total: usize = ids.iter().map(|&id| records[id as usize].len()).sum();
-            assert_eq!(batch.payload_len(), total as u64);
             // At most alignment padding in the buffer when every record stayed in place.
             assert_eq!(batch.data.len() < BATCH_ALIGN, compression.is_none());
         }
