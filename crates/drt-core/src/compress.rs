@@ -96,20 +96,15 @@ impl Codec {
     /// Decodes a stored record into memory of its own: `Err` says what is wrong with it
     /// (the caller names the file and the sample). Must not be called for [`Codec::None`].
     pub fn decompress(&self, stored: &[u8]) -> std::result::Result<Decoded, String> {
-        let (len, block) = self.decoded_len(stored)?;
-        let mut decoded = Decoded::zeroed(len)?;
-        self.decode_into(block, decoded.bytes_mut())?;
+        let mut decoded = Decoded::zeroed(self.decoded_len(stored)?)?;
+        self.decode_into(stored, decoded.bytes_mut())?;
         Ok(decoded)
     }
 
-    /// A stored record's decoded length, from its header, and its codec block: checked
-    /// against what the block can hold, so that a damaged header never makes a reader
-    /// allocate more than the record could decode to. Must not be called for
-    /// [`Codec::None`].
-    pub fn decoded_len<'a>(
-        &self,
-        stored: &'a [u8],
-    ) -> std::result::Result<(usize, &'a [u8]), String> {
+    /// A stored record's decoded length, from its header: checked against what its codec
+    /// block can hold, so that a damaged header never makes a reader allocate more than the
+    /// record could decode to. Must not be called for [`Codec::None`].
+    pub fn decoded_len(&self, stored: &[u8]) -> std::result::Result<usize, String> {
         let Some((header, block)) = stored.split_first_chunk::<HEADER_LEN>() else {
             return Err(format!(
                 "a compressed record of {} bytes is shorter than its header",
@@ -143,15 +138,16 @@ impl Codec {
             }
             Codec::Lz4 => {}
         }
-        let len = usize::try_from(len).map_err(|_| format!("{len} bytes do not fit in memory"))?;
-        Ok((len, block))
+        usize::try_from(len).map_err(|_| format!("{len} bytes do not fit in memory"))
     }
 
-    /// Decodes `block` (as [`decoded_len`](Self::decoded_len) gave it) into `out`, which is
-    /// exactly as long as the record decodes to: a reader decodes straight into the place
-    /// the record goes (a batch's buffer), with no buffer of the record's own between.
-    pub fn decode_into(&self, block: &[u8], out: &mut [u8]) -> std::result::Result<(), String> {
+    /// Decodes the stored record `stored` into `out`, as long as
+    /// [`decoded_len`](Self::decoded_len) of it (which checked its header): a reader decodes
+    /// straight into the place the record goes (a batch's buffer), with no buffer of the
+    /// record's own between.
+    pub fn decode_into(&self, stored: &[u8], out: &mut [u8]) -> std::result::Result<(), String> {
         let len = out.len();
+        let block = stored.get(HEADER_LEN..).unwrap_or_default();
         let written = match self {
             Codec::None => return Err("the cache is not compressed".into()),
             Codec::Zstd { .. } => DECOMPRESSOR

@@ -325,7 +325,7 @@ fn stored_for_batch(
     let (span, decoded) = reader.stored_span(sample_id, verify)?;
     match (decoded, views) {
         (Some(len), Some(rule)) if rule.own_memory(len) => {
-            Ok((reader.span(sample_id, false)?, None))
+            Ok((reader.decoded(sample_id, span.bytes())?, None))
         }
         _ => Ok((span, decoded)),
     }

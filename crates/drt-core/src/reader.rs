@@ -386,20 +386,10 @@ impl CacheReader {
     /// in a guarded section; reading its bytes outside one is safe only if it is
     /// [`Span::viewable`].
     pub fn span(&self, sample_id: u64, verify: bool) -> Result<Span> {
-        let (loc, shard, map) = self.checked_location(sample_id)?;
-        let end = (loc.offset + loc.length) as usize;
-        let stored = &map[loc.offset as usize..end];
-        if verify {
-            self.check_digest(sample_id, shard, stored)?;
+        match self.stored_span(sample_id, verify)? {
+            (stored, None) => Ok(stored),
+            (stored, Some(_)) => self.decoded(sample_id, stored.bytes()),
         }
-        if self.codec.is_none() {
-            return Ok(Span::new(map.clone(), loc.offset as usize, end));
-        }
-        let decoded = self
-            .codec
-            .decompress(stored)
-            .map_err(|why| Error::corrupt(&shard.path, format!("sample_id {sample_id}: {why}")))?;
-        Ok(Span::decoded(decoded))
     }
 
     /// Record `sample_id` as a batch reads it: its stored bytes as a span of the mapped shard
@@ -416,26 +406,35 @@ impl CacheReader {
         let decoded = if self.codec.is_none() {
             None
         } else {
-            let (len, _) = self.codec.decoded_len(stored).map_err(|why| {
-                Error::corrupt(&shard.path, format!("sample_id {sample_id}: {why}"))
-            })?;
-            Some(len)
+            let len = self.codec.decoded_len(stored);
+            Some(len.map_err(|why| damaged(shard, sample_id, &why))?)
         };
         Ok((Span::new(map.clone(), start, end), decoded))
+    }
+
+    /// Record `sample_id`, whose stored bytes [`stored_span`](Self::stored_span) gave as
+    /// `stored`, decoded into memory of its own. Must run in a guarded section.
+    pub fn decoded(&self, sample_id: u64, stored: &[u8]) -> Result<Span> {
+        let decoded = self.codec.decompress(stored);
+        Ok(Span::decoded(
+            decoded.map_err(|why| self.damaged(sample_id, &why))?,
+        ))
     }
 
     /// Decodes record `sample_id`, whose stored bytes [`stored_span`](Self::stored_span)
     /// gave as `stored`, into `out`, as long as the length it gave. Must run in a guarded
     /// section.
     pub fn decode_into(&self, sample_id: u64, stored: &[u8], out: &mut [u8]) -> Result<()> {
-        let decoded = self
-            .codec
-            .decoded_len(stored)
-            .and_then(|(_, block)| self.codec.decode_into(block, out));
-        decoded.map_err(|why| match self.shard_of(sample_id) {
-            Ok((_, shard)) => Error::corrupt(&shard.path, format!("sample_id {sample_id}: {why}")),
+        let decoded = self.codec.decode_into(stored, out);
+        decoded.map_err(|why| self.damaged(sample_id, &why))
+    }
+
+    /// The error for record `sample_id`, which cannot be decoded for reason `why`.
+    fn damaged(&self, sample_id: u64, why: &str) -> Error {
+        match self.shard_of(sample_id) {
+            Ok((_, shard)) => damaged(shard, sample_id, why),
             Err(e) => e,
-        })
+        }
     }
 
     /// [`span`](Self::span) in a guarded section: a shard that shrank under the read (with
@@ -464,6 +463,11 @@ impl CacheReader {
         self.check_digest(sample_id, shard, bytes)?;
         Ok(bytes)
     }
+}
+
+/// The error for record `sample_id` of `shard`, which cannot be decoded for reason `why`.
+fn damaged(shard: &Shard, sample_id: u64, why: &str) -> Error {
+    Error::corrupt(&shard.path, format!("sample_id {sample_id}: {why}"))
 }
 
 #[cfg(test)]
