@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from dataset_rt.errors import (
 )
 from dataset_rt.metadata import check_weights
 from dataset_rt.pipeline import LoaderSpec
+from dataset_rt.scratch import scratch_dir
 
 __all__ = [
     "Phase",
@@ -322,17 +322,6 @@ def preview(
 def single_program(plan: str, plan_digest: str) -> Program:
     """The program of a loader without a schedule: the plan's own table throughout."""
     return Program([plan], [plan_digest], [Segment(0, 0, None, None, "phase 0", 0)])
-
-
-def scratch_dir(prefix: str) -> str:
-    """A new directory for a loader's own files.
-
-    In /dev/shm where there is one, so that the files stay in RAM and worker processes
-    share their pages.
-    """
-    shm = "/dev/shm"
-    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-    return tempfile.mkdtemp(prefix=prefix, dir=base)
 
 
 # -- what the model sees -----------------------------------------------------------------------

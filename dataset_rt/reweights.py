@@ -35,10 +35,10 @@ from dataset_rt.metadata import cache_codes, check_weights, link_columns
 from dataset_rt.program import (
     Program,
     WeightSource,
-    scratch_dir,
     single_program,
     write_weights,
 )
+from dataset_rt.scratch import scratch_dir
 
 __all__ = ["Weights", "read_history", "reweight_from_frame", "row_weights"]
 

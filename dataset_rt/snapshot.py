@@ -24,10 +24,10 @@ from dataset_rt.program import (
     Program,
     schedule_program,
     schedule_weights,
-    scratch_dir,
     write_schedule,
 )
 from dataset_rt.roots import PathLike
+from dataset_rt.scratch import scratch_dir
 from dataset_rt.serialize import Decoder, PickleDecoder
 from dataset_rt.versions import local_copy
 

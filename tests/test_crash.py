@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import time
 from pathlib import Path
 
+import polars as pl
 import pytest
 from helpers import python_child
 
@@ -197,3 +199,51 @@ def test_a_killed_metadata_save_keeps_the_live_version(kill_at: str) -> None:
     assert drt.open("saved").metadata.height == 5
     leftovers = [p.name for p in (c.path / "metadata").iterdir() if ".tmp-" in p.name]
     assert leftovers == []
+
+
+# A child that builds a loader over an edited frame (its plan goes to a scratch directory),
+# prints that directory and kills itself before any finalizer can remove it.
+LOADER_AND_DIE = """
+import os, signal
+import polars as pl
+import dataset_rt as drt
+
+cache = drt.cache([bytes([i]) * 64 for i in range(40)], "small", progress=False)
+loader = cache.metadata.filter(pl.col("sample_id") < 30).drt.loader(batch_size=4, seed=0)
+next(iter(loader))
+mine = [n for n in os.listdir(os.environ["BASE"]) if f"-{os.getpid()}-" in n]
+print(",".join(mine), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_loaders_scratch_directory_goes_with_the_next_loader(tmp_path: Path) -> None:
+    from dataset_rt import scratch
+
+    # Where this host keeps scratch directories (/dev/shm where it is writable).
+    probe = scratch.scratch_dir("dataset_rt-probe-")
+    base = str(Path(probe).parent)
+    shutil.rmtree(probe)
+    child = python_child(LOADER_AND_DIE, {"BASE": base})
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL, (child.returncode, out, err)
+    leaked = [Path(base, name) for name in out.strip().split(",") if name]
+    assert len(leaked) == 1 and (leaked[0] / "plan.bin").is_file(), (out, err)
+    assert f"-{child.pid}-" in leaked[0].name
+    # A directory of another PID namespace with the same (dead) PID is not this host's to judge.
+    foreign = Path(base, f"dataset_rt-loader-0foreign-{child.pid}-x")
+    foreign.mkdir()
+    try:
+        # A live loader of this process keeps its directory through the sweep.
+        cache = drt.open("small")
+        frame = cache.metadata.filter(pl.col("sample_id") < 20)
+        first = frame.drt.loader(batch_size=4, seed=1)
+        own = [p for p in Path(base).iterdir() if f"-{os.getpid()}-" in p.name]
+        second = frame.drt.loader(batch_size=4, seed=2)
+        assert not leaked[0].exists(), "the next loader removes a dead process's scratch"
+        assert own and all(p.is_dir() for p in own)
+        assert foreign.is_dir()
+        assert sum(len(batch) for batch in first) == 20
+        assert sum(len(batch) for batch in second) == 20
+    finally:
+        shutil.rmtree(foreign, ignore_errors=True)
