@@ -219,14 +219,19 @@ class Cache(MetadataVersions):
         decoder = self._decoder(decode, copy)
         ids = sample_ids.tolist() if hasattr(sample_ids, "tolist") else list(sample_ids)
         if not isinstance(decoder, PickleDecoder):
-            return [self._decode_one(decoder, i, self.get_bytes(i, verify=verify)) for i in ids]
+            # One native call copies each record once, from its shard into its bytes.
+            try:
+                data = self._reader.get_many_bytes(ids, verify)
+            except (OverflowError, TypeError):
+                _check_ids(ids)
+                raise
+            return [self._decode_one(decoder, i, b) for i, b in zip(ids, data, strict=True)]
         # Records with large arrays stay in the mapped shard, the others are copied into the
         # batch at aligned addresses: either way their arrays decode as views.
         try:
             batch = self._reader.get_batch(ids, verify, True)
         except (OverflowError, TypeError):
-            for i in ids:
-                _as_sample_id(i)  # names the id that is negative or not an int
+            _check_ids(ids)
             raise
         try:
             records = batch.decode(pickle.loads, decoder.function)
@@ -372,6 +377,12 @@ def _as_sample_id(sample_id: int) -> int:
     if value < 0:
         raise SampleIndexError(f"sample_id {value} is negative; ids start at 0")
     return value
+
+
+def _check_ids(ids: list[Any]) -> None:
+    """Raises the error that names the first id of ``ids`` that is negative or not an int."""
+    for i in ids:
+        _as_sample_id(i)
 
 
 def open(  # noqa: A001 - mirrors the builtin on purpose: drt.open(name)

@@ -57,8 +57,16 @@ def test_get_many_returns_records_in_the_order_asked_for(small: drt.Cache) -> No
         small.get_many([1, 200])
     with pytest.raises(SampleIndexError, match="negative"):
         small.get_many([1, -2])
-    raw = small.get_many([7, 2], decode=bytes)
-    assert raw == [small.get_bytes(7), small.get_bytes(2)]
+    raw = small.get_many([7, 2, 7], decode=bytes)
+    assert raw == [small.get_bytes(7), small.get_bytes(2), small.get_bytes(7)]
+    # A decoder that takes bytes reads all ids in one call, with the same errors.
+    assert small.get_many([], decode=bytes) == []
+    with pytest.raises(SampleIndexError, match="sample_id 200 is out of range"):
+        small.get_many([1, 200], decode=bytes)
+    with pytest.raises(SampleIndexError, match="negative"):
+        small.get_many([1, -2], decode=bytes)
+    with pytest.raises(TypeError, match="sample_id must be an int, not str"):
+        small.get_many([1, "2"], decode=bytes)  # type: ignore[list-item]
 
 
 def test_a_map_style_dataset_serves_dataloader_batches_with_get_many(small: drt.Cache) -> None:

@@ -56,6 +56,41 @@ def test_a_shard_truncated_under_a_running_loader_is_an_error_not_sigbus(keep: i
     assert "get:" in out
 
 
+TRUNCATE_UNDER_GET_MANY = """
+import os
+import dataset_rt as drt
+from dataset_rt.errors import CacheCorruptError
+
+cache = drt.cache((bytes([i % 256]) * 4000 for i in range(2000)), "raw",
+                  shard_size=256 * 1024, progress=False)
+assert cache.get_many([1999, 7], decode=bytes) == [cache.get_bytes(1999), cache.get_bytes(7)]
+assert cache.get(1999) == bytes([1999 % 256]) * 4000
+for shard in (cache.path / "shards").iterdir():
+    os.truncate(shard, {keep})
+try:
+    cache.get_many([1999, 1998], decode=bytes)
+except CacheCorruptError as exc:
+    print("get_many:", exc)
+else:
+    raise SystemExit("get_many read past the truncated end without an error")
+try:
+    cache.get_bytes(1)
+except CacheCorruptError as exc:
+    print("get_bytes:", exc)
+else:
+    raise SystemExit("a reader that saw its shard shrink went on serving")
+"""
+
+
+@pytest.mark.parametrize("keep", [0, 4096])
+def test_a_shard_truncated_under_get_many_of_bytes_is_an_error_not_sigbus(keep: int) -> None:
+    child = python_child(TRUNCATE_UNDER_GET_MANY.format(keep=keep))
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, f"exit {child.returncode}\n{out}\n{err}"
+    assert "get_many:" in out and "shrank while it was mapped" in out
+    assert "get_bytes:" in out
+
+
 FULL_DISK_BUILD = """
 import os, resource, signal
 import numpy as np
