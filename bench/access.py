@@ -11,7 +11,9 @@ uniformly random ids, decoded to dicts with a NumPy image, and prints samples/s 
 - ``loader stream``: the cache's own loader (one process, ``collate=list``) reading as many
   draws, the figure ``get_many`` should reach.
 
-Every figure is the median of --rounds passes after a warm-up pass (warm page cache).
+Every figure is the median of --rounds passes after a warm-up pass (warm page cache). The
+passes run in alternation, round by round, and a ratio is the median of the ratios within a
+round, so that the machine's drift during the run moves both sides of a ratio alike.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import statistics
 import sys
 import tempfile
 import time
@@ -30,21 +31,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from measuring import paired
 from peers import BATCH, DatasetRT, MmapOffsets, Workload
 from run import SMOKE, WORKLOADS
 
 import dataset_rt as drt
 
 
-def rate(count: int, fn: Callable[[], None], rounds: int) -> tuple[float, float]:
-    """Median samples/s of ``fn`` (which reads ``count`` samples) and the spread."""
-    fn()
-    rates = []
-    for _ in range(rounds):
+def rate(count: int, fn: Callable[[], None]) -> Callable[[], float]:
+    """A call of ``fn`` (which reads ``count`` samples) that returns its samples/s."""
+
+    def run() -> float:
         start = time.perf_counter()
         fn()
-        rates.append(count / (time.perf_counter() - start))
-    return statistics.median(rates), max(rates) - min(rates)
+        return count / (time.perf_counter() - start)
+
+    return run
 
 
 def workload(wl: Workload, root: Path, rounds: int) -> None:
@@ -79,16 +81,14 @@ def workload(wl: Workload, root: Path, rounds: int) -> None:
             pass
 
     print(f"== {wl.records:,} records of {wl.record_bytes():,} B, {len(listed):,} reads ==")
-    base = None
-    for label, fn in (
+    passes = [
         ("mmap, one by one (baseline)", mmap_pass),
         ("get, one by one", get_pass),
         (f"get_many, {BATCH} ids", get_many_pass),
         ("loader stream, collate=list", loader_pass),
-    ):
-        median, spread = rate(len(listed), fn, rounds)
-        base = base or median
-        print(f"  {label:<32}{median:>12,.0f} samples/s ±{spread:>10,.0f}  {median / base:5.2f}x")
+    ]
+    for r in paired([(label, rate(len(listed), fn)) for label, fn in passes], rounds):
+        print(f"  {r.label:<32}{r.median:>12,.0f} samples/s ±{r.spread:>10,.0f}  {r.ratio:5.2f}x")
 
 
 def main() -> None:

@@ -9,8 +9,10 @@ P3  open + first batch in a fresh process, over .metadata and over .scan() (whos
 P5  PSS of the parent and each worker with num_workers = 0, 1, 2
     sampler build time for 100M rows (with --scale)
 
-Every figure is the median of --rounds runs after a warm-up, with the spread, and a ratio
-to its baseline measured in the same run. Page cache: warm (every file is read once first).
+Every figure is the median of --rounds runs after a warm-up, with the spread. A figure and
+its baseline run in alternation, round by round, and its ratio is the median of the ratios
+within a round: on a noisy machine both sides of a ratio then see the same conditions.
+Page cache: warm (every file is read once first).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ import polars as pl
 
 import dataset_rt as drt
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measuring import Paired, paired
+
 ROOT = Path(tempfile.mkdtemp(prefix="drt-bench-loader-"))
 # Its caches and flat files take about 700 MB: a run leaves none of it behind.
 atexit.register(shutil.rmtree, ROOT, ignore_errors=True)
@@ -54,12 +59,6 @@ def records(n: int, seed: int = 0) -> list[dict[str, Any]]:
     ]
 
 
-def median_spread(fn: Callable[[], float], rounds: int) -> tuple[float, float]:
-    fn()  # warm-up, excluded
-    values = [fn() for _ in range(rounds)]
-    return statistics.median(values), max(values) - min(values)
-
-
 def rate(n: int, fn: Callable[[], Any]) -> Callable[[], float]:
     def run() -> float:
         start = time.perf_counter()
@@ -69,8 +68,17 @@ def rate(n: int, fn: Callable[[], Any]) -> Callable[[], float]:
     return run
 
 
-def row(name: str, med: float, spread: float, base: float, unit: str = "samples/s") -> None:
-    print(f"  {name:<44}{med:>14,.0f} {unit:<10}±{spread:>12,.0f}{med / base:>8.2f}x")
+def row(name: str, result: Paired, unit: str = "samples/s") -> None:
+    print(
+        f"  {name:<44}{result.median:>14,.0f} {unit:<10}±{result.spread:>12,.0f}"
+        f"{result.ratio:>8.2f}x"
+    )
+
+
+def show(candidates: list[tuple[str, Callable[[], float]]], rounds: int) -> None:
+    """Measures the candidates in alternation (the first is the baseline) and prints them."""
+    for result in paired(candidates, rounds):
+        row(result.label, result)
 
 
 def small_workload(n: int, rounds: int, draws: int) -> None:
@@ -105,10 +113,13 @@ def small_workload(n: int, rounds: int, draws: int) -> None:
             pass
 
     print("P1 raw random weighted reads into Python (no decode)")
-    base, spread = median_spread(rate(draws, baseline_raw), rounds)
-    row("B: mmap + numpy offsets (bytes per record)", base, spread, base)
-    med, spread = median_spread(rate(draws, drt_raw), rounds)
-    row("dataset_rt loader (bytes per record)", med, spread, base)
+    show(
+        [
+            ("B: mmap + numpy offsets (bytes per record)", rate(draws, baseline_raw)),
+            ("dataset_rt loader (bytes per record)", rate(draws, drt_raw)),
+        ],
+        rounds,
+    )
 
     in_ram = payloads
 
@@ -123,10 +134,13 @@ def small_workload(n: int, rounds: int, draws: int) -> None:
             pass
 
     print("P2 end-to-end pickle decode, one process")
-    base, spread = median_spread(rate(draws, baseline_decode), rounds)
-    row("A: pickle.loads from a list of bytes in RAM", base, spread, base)
-    med, spread = median_spread(rate(draws, drt_decode), rounds)
-    row("dataset_rt loader, collate=list", med, spread, base)
+    show(
+        [
+            ("A: pickle.loads from a list of bytes in RAM", rate(draws, baseline_decode)),
+            ("dataset_rt loader, collate=list", rate(draws, drt_decode)),
+        ],
+        rounds,
+    )
 
     by_workers(frame, "P7 decode + PyTorch collate, by worker count", 256, draws * 4, rounds)
 
@@ -134,8 +148,8 @@ def small_workload(n: int, rounds: int, draws: int) -> None:
 def by_workers(frame: pl.DataFrame, title: str, batch_size: int, draws: int, rounds: int) -> None:
     """The default collate's rate with 0, 1 and 2 workers: P7, and the workers' return path."""
     print(title)
-    results = {}
-    startups = {}
+    runs: list[tuple[str, Callable[[], float]]] = []
+    startups: dict[int, list[float]] = {}
     for workers in (0, 1, 2):
         loader = frame.drt.loader(
             batch_size=batch_size, seed=0, num_samples=draws, num_workers=workers
@@ -154,16 +168,11 @@ def by_workers(frame: pl.DataFrame, title: str, batch_size: int, draws: int, rou
                 count += len(batch["label"])
             return count / (time.perf_counter() - first)
 
-        results[workers] = median_spread(run, rounds)
-        startups[workers] = statistics.median(firsts)
-    base = results[0][0]
-    for workers, (med, spread) in results.items():
-        row(
-            f"num_workers={workers} (first batch after {startups[workers]:.2f} s)",
-            med,
-            spread,
-            base,
-        )
+        runs.append((f"num_workers={workers}", run))
+        startups[workers] = firsts
+    for workers, result in enumerate(paired(runs, rounds)):
+        first = statistics.median(startups[workers])
+        row(f"{result.label} (first batch after {first:.2f} s)", result)
     cores = os.cpu_count()
     print(
         f"  (targets: k workers >= 0.8*k x one, until decode saturates the {cores} cores; "

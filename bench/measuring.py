@@ -1,4 +1,4 @@
-"""What bench/run.py and bench/scale.py measure with: medians, memory of a process tree."""
+"""What the benchmarks measure with: medians, paired rounds, memory of a process tree."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import statistics
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,42 @@ def median_spread(values: list[float]) -> dict[str, float]:
 def runs(fn: Callable[[], float], rounds: int) -> dict[str, float]:
     fn()  # warm-up, excluded: page cache, allocator, worker code paths
     return median_spread([fn() for _ in range(rounds)])
+
+
+@dataclass(frozen=True)
+class Paired:
+    """One candidate's rates over the rounds of :func:`paired`."""
+
+    label: str
+    median: float
+    spread: float
+    ratio: float
+    """The median over rounds of this rate over the baseline's rate in the same round."""
+
+
+def paired(candidates: list[tuple[str, Callable[[], float]]], rounds: int) -> list[Paired]:
+    """Rates of each candidate (the first is the baseline), measured in alternation.
+
+    After one warm-up call of each, every round calls each candidate once, in order. A ratio
+    is taken within a round and then the median over rounds, so that a machine whose speed
+    drifts during the run (a noisy VM) moves both sides of each ratio alike.
+    """
+    for _, fn in candidates:
+        fn()  # warm-up, excluded: page cache, allocator, worker code paths
+    values: list[list[float]] = [[] for _ in candidates]
+    for _ in range(rounds):
+        for got, (_, fn) in zip(values, candidates, strict=True):
+            got.append(fn())
+    base = values[0]
+    return [
+        Paired(
+            label,
+            statistics.median(got),
+            max(got) - min(got),
+            statistics.median(x / b for x, b in zip(got, base, strict=True)),
+        )
+        for (label, _), got in zip(candidates, values, strict=True)
+    ]
 
 
 def _smaps(pid: int) -> tuple[int, int, int]:
