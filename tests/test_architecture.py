@@ -85,7 +85,17 @@ def test_the_python_package_has_no_import_cycle() -> None:
 # (without a cycle) and from the layers below, never from one above.
 PYTHON_LAYERS = [
     {"__init__", "_version_check"},
-    {"errors", "roots", "progress", "serialize", "metadata", "plugins", "processes", "objects"},
+    {
+        "errors",
+        "roots",
+        "progress",
+        "serialize",
+        "metadata",
+        "plugins",
+        "processes",
+        "objects",
+        "scratch",
+    },
     {
         "registry",
         "verify",
