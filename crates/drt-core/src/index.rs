@@ -308,6 +308,15 @@ impl Index {
         self.checksum.is_empty()
     }
 
+    /// Asks the processor to load the locator [`location`](Self::location) reads for
+    /// `sample_id` (format 5; older layouts are left alone).
+    #[inline]
+    pub fn prefetch(&self, sample_id: u64) {
+        if let Layout::Locators(rows) = &self.layout {
+            crate::mapping::prefetch_line(rows, sample_id as usize * LOCATOR_LEN);
+        }
+    }
+
     /// The location of `sample_id`, which the caller has checked to be `< len()`.
     #[inline]
     pub fn location(&self, sample_id: u64) -> Location {

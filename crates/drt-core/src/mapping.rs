@@ -172,3 +172,21 @@ impl PartialEq for Span {
 }
 
 impl Eq for Span {}
+
+/// A hint to load the cache line of byte `at` of `map`, if it lies in it; loads that draws
+/// will make anyway, issued early so that many are in flight at once.
+#[inline]
+pub(crate) fn prefetch_line(map: &[u8], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at < map.len() {
+        // SAFETY: a prefetch reads nothing and cannot fault; the address lies in `map`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch(
+                map.as_ptr().add(at).cast::<i8>(),
+                std::arch::x86_64::_MM_HINT_T0,
+            );
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (map, at);
+}

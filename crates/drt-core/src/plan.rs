@@ -33,6 +33,7 @@ use memmap2::Mmap;
 
 use crate::error::{Error, IoContext, Result};
 use crate::index::HashingWriter;
+use crate::mapping::prefetch_line;
 use crate::sampler::{pick, AliasTable, EpochRandom, MAX_ROWS};
 
 const PLAN_MAGIC: &[u8; 8] = b"DRTPLAN1";
@@ -298,8 +299,8 @@ impl Plan {
     pub fn prefetch_row(&self, random: EpochRandom, position: u64) {
         if let Some(t) = self.table_at {
             let c = column(random.bits(position), self.rows);
-            prefetch(&self.map, t + 4 * c);
-            prefetch(&self.map, t + 4 * (self.rows as usize + c));
+            prefetch_line(&self.map, t + 4 * c);
+            prefetch_line(&self.map, t + 4 * (self.rows as usize + c));
         }
     }
 
@@ -307,10 +308,10 @@ impl Plan {
     #[inline]
     pub fn prefetch_sample(&self, row: u64) {
         if let Some(ids) = self.ids_at {
-            prefetch(&self.map, ids + 8 * row as usize);
+            prefetch_line(&self.map, ids + 8 * row as usize);
         }
         if let Some(c) = self.cache_at {
-            prefetch(&self.map, c + 4 * row as usize);
+            prefetch_line(&self.map, c + 4 * row as usize);
         }
     }
 
@@ -415,8 +416,8 @@ impl MappedTable {
             return;
         }
         let c = column(bits, self.rows);
-        prefetch(&self.map, self.at + 4 * c);
-        prefetch(&self.map, self.at + 4 * (self.rows as usize + c));
+        prefetch_line(&self.map, self.at + 4 * c);
+        prefetch_line(&self.map, self.at + 4 * (self.rows as usize + c));
     }
 
     /// The row that random bits `bits` select (as [`AliasTable::draw`] does).
@@ -451,24 +452,6 @@ fn sends_every_column_to_itself(table: &AliasTable) -> bool {
 #[inline]
 fn column(bits: u64, n: u64) -> usize {
     ((u128::from(bits) * u128::from(n)) >> 64) as usize
-}
-
-/// A hint to load the cache line of byte `at` of `map`, if it lies in it; loads that draws
-/// will make anyway, issued early so that many are in flight at once.
-#[inline]
-fn prefetch(map: &[u8], at: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if at < map.len() {
-        // SAFETY: a prefetch reads nothing and cannot fault; the address lies in `map`.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch(
-                map.as_ptr().add(at).cast::<i8>(),
-                std::arch::x86_64::_MM_HINT_T0,
-            );
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (map, at);
 }
 
 #[cfg(test)]

@@ -452,6 +452,14 @@ impl Source {
         .0
     }
 
+    /// Whether every record of `reader` stays in its shard for the consumer to copy (the
+    /// [`ViewRule::every_record`] rule over an uncompressed cache): this thread never reads
+    /// their bytes then, and loading them into its core's cache measured slower for the
+    /// consumer's copy on the other core, not faster.
+    fn leaves_every_record(&self, reader: &CacheReader) -> bool {
+        self.views.as_deref().is_some_and(|rule| rule.min_len == 0) && reader.codec().is_none()
+    }
+
     /// The reader of cache `cache` of the plan.
     pub(crate) fn reader(&self, cache: u32) -> Result<&CacheReader> {
         self.caches
@@ -503,7 +511,23 @@ impl Source {
             batch.sample_ids.push(sample_id);
         }
         let mut stored = Vec::with_capacity(batch.len());
-        for (&cache, &sample_id) in batch.caches.iter().zip(&batch.sample_ids) {
+        for (i, (&cache, &sample_id)) in batch.caches.iter().zip(&batch.sample_ids).enumerate() {
+            // Each record's index entry is asked for PREFETCH_AHEAD records before its read,
+            // and its first bytes half as many before, once the entry is at hand: the misses
+            // of a sparse pass overlap instead of following one another.
+            let ahead = |k: usize| batch.caches.get(i + k).zip(batch.sample_ids.get(i + k));
+            if let Some((&cache, &sample_id)) = ahead(PREFETCH_AHEAD) {
+                if let Ok(reader) = self.reader(cache) {
+                    reader.prefetch_location(sample_id);
+                }
+            }
+            if let Some((&cache, &sample_id)) = ahead(PREFETCH_AHEAD / 2) {
+                if let Ok(reader) = self.reader(cache) {
+                    if !self.leaves_every_record(reader) {
+                        reader.prefetch_record(sample_id);
+                    }
+                }
+            }
             let reader = self.reader(cache)?;
             stored.push(stored_for_batch(
                 reader,

@@ -309,6 +309,40 @@ impl CacheReader {
         }
     }
 
+    /// Asks the processor to load the index entry of `sample_id`, which a read of it will
+    /// look up next: a hint, which does nothing for an id out of range or an index not yet
+    /// mapped.
+    #[inline]
+    pub fn prefetch_location(&self, sample_id: u64) {
+        if sample_id < self.len() {
+            let segment = self.segment_of(sample_id);
+            if let Some(index) = segment.index.get() {
+                index.prefetch(sample_id - segment.first);
+            }
+        }
+    }
+
+    /// Asks the processor to load the first bytes of record `sample_id`, which a read of it
+    /// will copy next, once its index entry is at hand (see
+    /// [`prefetch_location`](Self::prefetch_location)): a hint, which does nothing for an id
+    /// out of range or a file not yet mapped.
+    #[inline]
+    pub fn prefetch_record(&self, sample_id: u64) {
+        if sample_id < self.len() {
+            let segment = self.segment_of(sample_id);
+            if let Some(index) = segment.index.get() {
+                let loc = index.location(sample_id - segment.first);
+                let map = segment
+                    .shards
+                    .get(loc.shard as usize)
+                    .and_then(|s| s.map.get());
+                if let Some(map) = map {
+                    crate::mapping::prefetch_line(map, loc.offset as usize);
+                }
+            }
+        }
+    }
+
     /// Where record `sample_id` lives: its index entry (offsets within its shard) and shard.
     fn location(&self, sample_id: u64) -> Result<(Location, &Segment)> {
         let segment = self.segment_of(sample_id);
@@ -731,6 +765,27 @@ pub(crate) mod tests {
         std::fs::remove_file(dir.path().join("shards/00000.bin")).unwrap();
         let err = CacheReader::open(dir.path()).unwrap_err();
         assert!(err.to_string().contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn read_hints_take_any_id_and_change_no_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let recs = records(40);
+        build(dir.path(), &recs, WriteOptions::default());
+        let reader = CacheReader::open(dir.path()).unwrap();
+        // Before the index is mapped, in range and past the end: hints only, never a read.
+        for id in [0, 39, 40, u64::MAX] {
+            reader.prefetch_location(id);
+            reader.prefetch_record(id);
+        }
+        assert_eq!(reader.copy_record(7, true).unwrap(), recs[7]);
+        for id in [0, 39, 40, u64::MAX] {
+            reader.prefetch_location(id);
+            reader.prefetch_record(id);
+        }
+        for (i, r) in recs.iter().enumerate() {
+            assert_eq!(&reader.copy_record(i as u64, true).unwrap(), r);
+        }
     }
 
     #[test]
