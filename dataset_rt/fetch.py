@@ -41,6 +41,7 @@ from dataset_rt.errors import (
     StaleCacheError,
 )
 from dataset_rt.objects import RemoteDir, StorageOptions, remote_manifest
+from dataset_rt.scratch import process_alive
 from dataset_rt.transfers import in_parallel
 
 __all__ = [
@@ -134,23 +135,13 @@ def _remove_dead_partials(root: Path) -> None:
     for entry in entries:
         host, _, rest = entry.name.partition("-")
         pid = rest.split("-", 1)[0]
-        if host != _HOST or not pid.isdigit() or _alive(int(pid)):
+        if host != _HOST or not pid.isdigit() or process_alive(int(pid)):
             continue  # another machine's (a shared local_dir), or still running
         with contextlib.suppress(OSError):
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path)
             else:
                 os.unlink(entry.path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _download_checked(

@@ -41,30 +41,28 @@ def pid_namespace() -> str:
         return "h"
 
 
-def sweep(base: str, namespace: str) -> list[str]:
+def sweep(base: str, namespace: str) -> None:
     """Remove the scratch directories in ``base`` whose creator (same namespace) is gone.
 
-    Returns the paths removed. A directory that cannot be removed (another user's) is left.
+    A directory that cannot be removed (another user's) is left.
     """
-    removed: list[str] = []
     try:
         entries = list(os.scandir(base))
     except OSError:
-        return removed
+        return
     for entry in entries:
         found = _OWNED.match(entry.name)
-        if found is None or found["ns"] != namespace or _alive(int(found["pid"])):
+        if found is None or found["ns"] != namespace or process_alive(int(found["pid"])):
             continue
-        if not entry.is_dir(follow_symlinks=False):
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        if not os.path.lexists(entry.path):
-            removed.append(entry.path)
-    return removed
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    """Whether a process with this PID exists (a zombie or another user's counts)."""
+def process_alive(pid: int) -> bool:
+    """Whether a process with this PID exists here (a zombie or another user's counts).
+
+    A PID too large to be one is not.
+    """
     if pid == os.getpid():
         return True
     try:
