@@ -27,6 +27,13 @@ POLARS_2 = _release(pl.__version__) >= (2,)
 """Whether the installed Polars is of the 2.x line (Python scan sources in every engine,
 grouping by fixed-size arrays); the modules that behave differently read this."""
 
+CACHE_ID_DTYPE: pl.DataType = pl.Categorical() if POLARS_2 else pl.String()
+"""The dtype of ``cache_id`` in every frame dataset_rt gives users (metadata tables, ``seen``,
+``list_caches``): a categorical where Polars' categories are global (Polars 2), 4 bytes a row
+instead of a string's 16 or more, and frames of several caches still concatenate and join
+without re-encoding. Before Polars 2 a categorical is local to its frame (joining two re-maps
+them, with a warning), so there it stays a string."""
+
 
 def check_polars_version(version: str | None = None) -> None:
     """Checks the installed Polars (or ``version``) against the supported range.

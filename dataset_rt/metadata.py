@@ -10,10 +10,16 @@ from typing import Any, cast
 import polars as pl
 
 from dataset_rt import _native
-from dataset_rt._version_check import POLARS_2
+from dataset_rt._version_check import CACHE_ID_DTYPE, POLARS_2
 from dataset_rt.errors import MetadataError, WeightError
 
-__all__ = ["RESERVED_COLUMNS", "MetadataCollector", "cache_codes", "checked_scan"]
+__all__ = [
+    "RESERVED_COLUMNS",
+    "MetadataCollector",
+    "cache_codes",
+    "checked_scan",
+    "house_ids",
+]
 
 RESERVED_COLUMNS = ("cache_id", "sample_id")
 """Columns dataset_rt fills in itself; ``metadata()`` may not return them."""
@@ -157,7 +163,7 @@ class MetadataCollector:
     def frame(self, cache_id: str, num_samples: int) -> pl.DataFrame:
         """The metadata table: ``cache_id``, ``sample_id``, the attributes, ``weight``."""
         columns: list[pl.Series] = [
-            pl.repeat(cache_id, num_samples, dtype=pl.String, eager=True).alias("cache_id"),
+            pl.repeat(cache_id, num_samples, dtype=CACHE_ID_DTYPE, eager=True).alias("cache_id"),
             pl.int_range(num_samples, dtype=pl.Int64, eager=True).alias("sample_id"),
         ]
         weight: pl.Series | None = None
@@ -216,8 +222,8 @@ def _check_link_dtypes(frame: pl.DataFrame) -> None:
 def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str) -> pl.DataFrame:
     """Checks an edited metadata table before it is saved as a new version of a cache.
 
-    Rows may have been filtered out and columns added. Returns the table with ``sample_id``
-    as Int64 and ``weight`` as Float64.
+    Rows may have been filtered out and columns added. Returns the table with ``cache_id``
+    as :data:`CACHE_ID_DTYPE`, ``sample_id`` as Int64 and ``weight`` as Float64.
 
     Raises
     ------
@@ -260,7 +266,18 @@ def checked_edit(frame: pl.DataFrame, cache_id: str, num_samples: int, name: str
         )
     # An empty cache has an empty table, and that is all it can have.
     weight = check_weights(frame["weight"], ids, allow_empty=num_samples == 0)
-    return frame.with_columns(ids.cast(pl.Int64), weight)
+    return frame.with_columns(pl.col("cache_id").cast(CACHE_ID_DTYPE), ids.cast(pl.Int64), weight)
+
+
+def house_ids(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` (a saved table) with its ``cache_id`` as :data:`CACHE_ID_DTYPE`.
+
+    Tables saved before the column became categorical hold strings; they are read as
+    tables saved since are, so that frames of old and new caches still concatenate.
+    """
+    if frame.schema.get("cache_id") in (None, CACHE_ID_DTYPE):
+        return frame
+    return frame.with_columns(pl.col("cache_id").cast(CACHE_ID_DTYPE))
 
 
 def link_columns(frame: pl.DataFrame) -> tuple[pl.Series, pl.Series]:
@@ -380,7 +397,10 @@ def checked_scan(path: Path, check: Callable[[], object]) -> pl.LazyFrame:
     """
     if not _DEFERRED:
         check()
-        return pl.scan_parquet(path)
+        scan = pl.scan_parquet(path)
+        if pl.read_parquet_schema(path).get("cache_id") not in (None, CACHE_ID_DTYPE):
+            scan = scan.with_columns(pl.col("cache_id").cast(CACHE_ID_DTYPE))  # a Polars 2 table
+        return scan
     lock, checked = threading.Lock(), list[bool]()
 
     def source(
@@ -394,6 +414,8 @@ def checked_scan(path: Path, check: Callable[[], object]) -> pl.LazyFrame:
                 check()
                 checked.append(True)
         frame = pl.scan_parquet(path)
+        if recast:  # a table saved with string ids, read as the house's dtype
+            frame = frame.with_columns(pl.col("cache_id").cast(CACHE_ID_DTYPE))
         if with_columns is not None:
             frame = frame.select(with_columns)
         if predicate is not None:
@@ -413,5 +435,8 @@ def checked_scan(path: Path, check: Callable[[], object]) -> pl.LazyFrame:
     except Exception:
         check()  # a damaged table is reported as such (CacheCorruptError)
         raise
+    recast = schema.get("cache_id") not in (None, CACHE_ID_DTYPE)
+    if recast:
+        schema["cache_id"] = CACHE_ID_DTYPE
     pure: dict[str, Any] = {"is_pure": True}
     return register_io_source(source, schema=schema, **pure)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from dataset_rt import _native
+from dataset_rt._version_check import CACHE_ID_DTYPE
 from dataset_rt.errors import (
     ArgumentError,
     MetadataError,
@@ -364,7 +365,7 @@ def seen_frame(
     )
     position = drawn["position"]
     segment = drawn["segment"]
-    cache_ids = pl.Series("cache_id", spec.cache_ids, dtype=pl.String)
+    cache_ids = pl.Series("cache_id", spec.cache_ids, dtype=CACHE_ID_DTYPE)
     n = len(position)
     if program is None or len(program.segments) == 1:
         only = Segment(0, 0, None, None, "phase 0", 0) if program is None else program.segments[0]

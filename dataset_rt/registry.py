@@ -20,6 +20,7 @@ from typing import Any
 import polars as pl
 
 from dataset_rt import _native
+from dataset_rt._version_check import CACHE_ID_DTYPE
 from dataset_rt.errors import CacheCorruptError, CacheNotFoundError
 from dataset_rt.roots import PathLike, default_root, resolve_root, root_url
 
@@ -214,7 +215,7 @@ def manifest_rows(manifests: Iterable[_native.Manifest]) -> pl.DataFrame:
     ]
     schema: dict[str, pl.DataType] = {
         "name": pl.String(),
-        "cache_id": pl.String(),
+        "cache_id": CACHE_ID_DTYPE,
         "samples": pl.Int64(),
         "bytes": pl.Int64(),
         "shards": pl.Int64(),

@@ -11,6 +11,7 @@ from typing import Any, cast
 import polars as pl
 
 from dataset_rt import _native
+from dataset_rt._version_check import CACHE_ID_DTYPE
 from dataset_rt.errors import ArgumentError, LoaderStateError
 from dataset_rt.options import check_draws, check_int, check_same, resolve_ranks
 from dataset_rt.packing import START, Cursor, Steps
@@ -359,7 +360,7 @@ class TokenLoader:
             .with_row_index("plan_row")
             .with_columns(pl.col("plan_row").cast(pl.Int64))
         )
-        codes = pl.Series([c.cache_id for c in self._caches])
+        codes = pl.Series([c.cache_id for c in self._caches], dtype=CACHE_ID_DTYPE)
         return (
             frame.with_columns(pl.col("plan_row").cast(pl.Int64))
             .join(keys, on="plan_row", how="left", maintain_order="left")
@@ -370,7 +371,9 @@ class TokenLoader:
                 "row",
                 "column",
                 "draw",
-                pl.col("cache").replace_strict(range(len(codes)), codes).alias("cache_id"),
+                pl.col("cache")
+                .replace_strict(range(len(codes)), codes, return_dtype=CACHE_ID_DTYPE)
+                .alias("cache_id"),
                 pl.col("sample_id").cast(pl.Int64),
                 "offset",
                 "tokens",

@@ -28,7 +28,7 @@ from dataset_rt.errors import (
     MetadataError,
     StaleCacheError,
 )
-from dataset_rt.metadata import checked_edit, checked_scan, token_lengths
+from dataset_rt.metadata import checked_edit, checked_scan, house_ids, token_lengths
 
 VersionSession = _native.CacheBuilder | _native.AppendSession | _native.MetadataSave
 """The engine's transactions that write a metadata version."""
@@ -122,7 +122,7 @@ class MetadataVersions:
     ) -> pl.DataFrame:
         path = self._checked_metadata_path(version, manifest)
         try:
-            return pl.read_parquet(path)
+            return house_ids(pl.read_parquet(path))
         except (OSError, pl.exceptions.PolarsError) as exc:
             raise CacheCorruptError(f"{path}: unreadable metadata table: {exc}") from exc
 

@@ -12,6 +12,7 @@ import pytest
 from helpers import record, same_record
 
 import dataset_rt as drt
+from dataset_rt._version_check import POLARS_2
 from dataset_rt.errors import (
     CacheCorruptError,
     CacheNotFoundError,
@@ -273,3 +274,40 @@ def test_caches_written_before_format_5_open_verify_and_grow(
     assert json.loads(manifest.read_text())["format_version"] == 5 == drt._native.FORMAT_VERSION
     assert all(same_record(grown.get(i, verify=True), record(i)) for i in range(20))
     assert drt.verify(name, root=tmp_path, progress=False).ok
+
+
+def test_every_frame_holds_cache_id_as_one_dtype_old_tables_included(tmp_path: Path) -> None:
+    # A table written before cache_id became categorical holds strings.
+    shutil.copytree(FORMAT_4 / "plain", tmp_path / "plain")
+    old = drt.open("plain", root=tmp_path)
+    assert (
+        pl.read_parquet_schema(next((old.path / "metadata").glob("*.parquet")))["cache_id"]
+        == pl.String
+    )
+    new = drt.cache((record(i) for i in range(30)), "new", root=tmp_path, progress=False)
+    house = pl.Categorical if POLARS_2 else pl.String
+    frames = {
+        "old metadata": old.metadata,
+        "old scan": old.scan().collect(),
+        "old scan, filtered by id": old.scan().filter(pl.col("cache_id") == old.cache_id).collect(),
+        "new metadata": new.metadata,
+        "new scan": new.scan().collect(),
+        "list_caches": drt.list_caches(tmp_path),
+    }
+    dtypes = {name: frame.schema["cache_id"] for name, frame in frames.items()}
+    assert dtypes == dict.fromkeys(frames, house)
+    assert frames["old scan, filtered by id"].height == 12
+    # Frames of both caches concatenate, filter by a Cache.cache_id, and join with what a
+    # loader over them saw (no re-encoding: a warning would fail this test).
+    links = ["cache_id", "sample_id", "weight"]
+    both = pl.concat([old.metadata.select(links), new.metadata.select(links)])
+    assert both.filter(pl.col("cache_id") == new.cache_id).height == 30
+    loader = both.drt.loader(batch_size=8, seed=0, num_samples=64, collate=list)
+    seen = loader.seen(epoch=0)
+    assert seen.schema["cache_id"] == house
+    assert seen.join(both, on=["cache_id", "sample_id"]).height == 64
+    names = both.join(drt.list_caches(tmp_path), on="cache_id")["name"].value_counts()
+    assert dict(names.iter_rows()) == {"plain": 12, "new": 30}
+    # A categorical id is 4 bytes a row: the loader's three columns take 20 bytes a row.
+    if POLARS_2:
+        assert new.metadata.select(links).estimated_size() <= 20 * 30 + 256

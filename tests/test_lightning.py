@@ -175,7 +175,16 @@ class ReweightByLoss(L.Callback):  # type: ignore[misc]
 
     def on_train_epoch_end(self, trainer: Any, module: LossWeighted) -> None:
         per_sample = (
-            pl.DataFrame(self.losses, schema=["cache_id", "sample_id", "loss"], orient="row")
+            # The ids as the frame holds them (a categorical with Polars 2), to join on them.
+            pl.DataFrame(
+                self.losses,
+                schema={
+                    "cache_id": module.frame.schema["cache_id"],
+                    "sample_id": pl.Int64,
+                    "loss": pl.Float64,
+                },
+                orient="row",
+            )
             .group_by("cache_id", "sample_id")
             .agg(pl.col("loss").mean())
         )

@@ -282,9 +282,12 @@ def test_bad_schedules_and_reweights_are_refused(frame: pl.DataFrame, tmp_path: 
 
     loader = frame.drt.loader(8, seed=1, history=tmp_path / "h")
     state = loader.state_dict()
-    stranger = pl.DataFrame({"cache_id": ["f" * 32], "sample_id": [0], "weight": [1.0]})
+    links = frame.select("cache_id", "sample_id", "weight")
+    stranger = pl.DataFrame(
+        {"cache_id": ["f" * 32], "sample_id": [0], "weight": [1.0]}, schema=links.schema
+    )
     with pytest.raises(MetadataError, match="1 row\\(s\\) the loader does not have"):
-        loader.reweight(pl.concat([frame.select("cache_id", "sample_id", "weight"), stranger]))
+        loader.reweight(pl.concat([links, stranger]))
     with pytest.raises(MetadataError, match="have no weight in the re-weight frame"):
         loader.reweight(frame.select("cache_id", "sample_id", "weight").head(10))
     with pytest.raises(WeightError, match="reweight: weight column 'weight' holds NaN"):
