@@ -24,10 +24,10 @@ use arrow_buffer::{Buffer, ScalarBuffer};
 use arrow_ipc::reader::FileDecoder;
 use arrow_ipc::writer::FileWriter;
 use arrow_schema::{DataType, Field, Schema};
-use memmap2::Mmap;
 
 use crate::ensure_intact;
 use crate::error::{Error, IoContext, Result};
+use crate::mapping::MappedFile;
 
 /// Where one record lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -234,15 +234,17 @@ impl Index {
     /// Only the file's footer and message headers are parsed; no per-sample work is done.
     pub fn open(path: &Path, num_samples: u64) -> Result<Index> {
         let file = std::fs::File::open(path).at(path)?;
-        // SAFETY: index files are written once, before the cache is published, and never
-        // modified in place afterwards; readers only ever see complete files.
-        let map = unsafe { Mmap::map(&file) }.at(path)?;
+        // Index files are written once, before the cache is published, and never modified in
+        // place afterwards; readers only ever see complete files. Every reader of this
+        // process shares one mapping of a file, so an epoch or a loader after the first finds
+        // the pages of the index that earlier ones touched still mapped.
+        let map = MappedFile::open(&file, path)?;
         let len = map.len();
         let ptr = NonNull::new(map.as_ptr() as *mut u8)
             .ok_or_else(|| Error::corrupt(path, "empty index file"))?;
         // SAFETY: `ptr` and `len` describe the mapping, which the buffer keeps alive by owning
         // it; the mapping is read-only and is never written through the buffer.
-        let buffer = unsafe { Buffer::from_custom_allocation(ptr, len, Arc::new(map)) };
+        let buffer = unsafe { Buffer::from_custom_allocation(ptr, len, map) };
         // The IPC decoder validates the flatbuffers it reads, but a damaged file must never
         // take the process down, so a panic deep inside it is turned into a corruption error.
         let parsed = catch_unwind(AssertUnwindSafe(|| decode(&buffer)))
@@ -466,6 +468,29 @@ mod tests {
             assert_eq!(index.checksum(i), expected[i as usize].1);
             assert_eq!(index.stored_sample_id(i), None);
         }
+    }
+
+    #[test]
+    fn readers_of_one_index_share_its_mapping_until_the_file_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("index.arrow");
+        sample(1000).write(&path).unwrap();
+        let first = |index: &Index| match &index.layout {
+            Layout::Locators(buffer) => buffer.as_ptr(),
+            Layout::Columns { .. } => unreachable!("a format-5 index"),
+        };
+        let (a, b) = (
+            Index::open(&path, 1000).unwrap(),
+            Index::open(&path, 1000).unwrap(),
+        );
+        assert_eq!(first(&a), first(&b));
+        // A file written anew under the name is another file: it gets its own mapping.
+        let new = dir.path().join("new.arrow");
+        sample(1000).write(&new).unwrap();
+        std::fs::rename(&new, &path).unwrap();
+        let c = Index::open(&path, 1000).unwrap();
+        assert_ne!(first(&a), first(&c));
+        assert_eq!(c.location(999), a.location(999));
     }
 
     #[test]

@@ -1,9 +1,12 @@
-//! This process's mappings of shard files, shared by every reader of a file.
+//! This process's mappings of a cache's files (shards, indexes, plans and weight files),
+//! shared by every reader of a file.
 //!
 //! One of the engine's three pieces of process-wide state (with [`crate::sigbus`]'s table
 //! of guarded ranges and [`crate::fetch`]'s fetchers): a table of live mappings by file
-//! identity, so that every reader of a shard, in every loader and epoch of this process,
-//! shares one mapping and its resident pages. Entries are weak: a mapping goes when its last
+//! identity, so that every reader of a file, in every loader and epoch of this process,
+//! shares one mapping and its resident pages. A sparse pass faults in a page of the plan and
+//! of the index for most draws; the next epoch, or the next loader over the same saved
+//! version, finds them mapped. Entries are weak: a mapping goes when its last
 //! reader or [`Span`] does.
 //! A forked child inherits the table with the mappings, which stay valid there.
 
@@ -17,7 +20,7 @@ use memmap2::Mmap;
 
 use crate::error::{IoContext, Result};
 
-/// A mapped shard, shared by its reader and by every [`Span`] handed out of it: the mapping
+/// A mapped file, shared by its readers and by every [`Span`] handed out of it: the mapping
 /// lives as long as any of them. It is registered with [`crate::sigbus`] so that views of it
 /// survive the file shrinking under them.
 pub struct MappedFile {
@@ -25,7 +28,7 @@ pub struct MappedFile {
     slot: Option<usize>,
 }
 
-/// The shards this process has mapped, by file identity (device, inode): every reader of a
+/// The files this process has mapped, by file identity (device, inode): every reader of a
 /// file shares one mapping while any of them lives, so a loader's next epoch finds the pages
 /// it touched still mapped instead of faulting them in again. A live mapping keeps its inode
 /// allocated, so an identity found here cannot belong to another file.
@@ -51,9 +54,11 @@ impl MappedFile {
                 return Ok(live);
             }
         }
-        // SAFETY: shards are written once, before the cache is published, and never
-        // modified in place; callers check the size against the manifest, and every read
-        // is bounds-checked against the mapping's length.
+        // SAFETY: a cache's files (and a loader's plan) are written once, before anyone
+        // opens them, and never modified in place; callers check the size against the
+        // manifest or the file's header, and every read is bounds-checked against the
+        // mapping's length. A file truncated under its mapping reads as zeros there (see
+        // `crate::sigbus`) instead of raising SIGBUS.
         let map = unsafe { Mmap::map(file) }.at(path)?;
         let live = Arc::new(Self::new(map));
         if mapped.len() >= 64 && mapped.len().is_power_of_two() {

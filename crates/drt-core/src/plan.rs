@@ -29,11 +29,9 @@ use std::path::{Path, PathBuf};
 
 use std::sync::Arc;
 
-use memmap2::Mmap;
-
 use crate::error::{Error, IoContext, Result};
 use crate::index::HashingWriter;
-use crate::mapping::prefetch_line;
+use crate::mapping::{prefetch_line, MappedFile};
 use crate::sampler::{pick, AliasTable, EpochRandom, MAX_ROWS};
 
 const PLAN_MAGIC: &[u8; 8] = b"DRTPLAN1";
@@ -49,7 +47,7 @@ const UNIFORM: u32 = 16;
 /// The rows of a loader: their samples and, when shuffling, the alias table of their weights.
 pub struct Plan {
     path: PathBuf,
-    map: Arc<Mmap>,
+    map: Arc<MappedFile>,
     rows: u64,
     caches: u32,
     ids_at: Option<usize>,
@@ -183,9 +181,10 @@ impl Plan {
     /// Maps a plan file written by [`Plan::write`].
     pub fn open(path: &Path) -> Result<Self> {
         let file = std::fs::File::open(path).at(path)?;
-        // SAFETY: plan files are written completely before any reader opens them and are
-        // never modified afterwards; sizes are checked against the header below.
-        let map = unsafe { Mmap::map(&file) }.at(path)?;
+        // Plan files are written completely before any reader opens them and are never
+        // modified afterwards; sizes are checked against the header below. Every loader of
+        // this process over the same plan (a saved version's) shares one mapping.
+        let map = MappedFile::open(&file, path)?;
         crate::ensure_intact!(
             map.len() >= HEADER_LEN && &map[..8] == PLAN_MAGIC,
             path,
@@ -223,7 +222,7 @@ impl Plan {
         crate::ensure_intact!(map.len() == at, path, "plan file has the wrong size");
         Ok(Self {
             path: path.to_path_buf(),
-            map: Arc::new(map),
+            map,
             rows,
             caches,
             ids_at,
@@ -332,7 +331,7 @@ impl Plan {
 /// An alias table in a mapped file (a weight file, or a plan's own table).
 #[derive(Clone)]
 pub struct MappedTable {
-    map: Arc<Mmap>,
+    map: Arc<MappedFile>,
     /// Where the thresholds start; the aliases follow them.
     at: usize,
     rows: u64,
@@ -350,7 +349,7 @@ impl std::fmt::Debug for MappedTable {
 
 impl MappedTable {
     /// The table of `rows` rows at `at` in `map`; the caller has checked the bounds.
-    pub(crate) fn new(map: Arc<Mmap>, at: usize, rows: u64) -> Self {
+    pub(crate) fn new(map: Arc<MappedFile>, at: usize, rows: u64) -> Self {
         Self {
             map,
             at,
@@ -361,7 +360,7 @@ impl MappedTable {
 
     /// The table of `rows` rows of equal weight (held by `map`, a uniform plan, for its
     /// lifetime only).
-    fn uniform(map: Arc<Mmap>, rows: u64) -> Self {
+    fn uniform(map: Arc<MappedFile>, rows: u64) -> Self {
         Self {
             map,
             at: 0,
@@ -373,9 +372,9 @@ impl MappedTable {
     /// Maps the table of a weight file from [`write_table`], or of a weighted plan.
     pub fn open(path: &Path) -> Result<Self> {
         let file = std::fs::File::open(path).at(path)?;
-        // SAFETY: weight files are written to a temporary name and renamed into place once
-        // complete, and never modified afterwards; the size is checked against the header.
-        let map = unsafe { Mmap::map(&file) }.at(path)?;
+        // Weight files are written to a temporary name and renamed into place once complete,
+        // and never modified afterwards; the size is checked against the header.
+        let map = MappedFile::open(&file, path)?;
         if map.len() >= 8 && &map[..8] != TABLE_MAGIC {
             return Plan::open(path)?
                 .table()
@@ -396,7 +395,7 @@ impl MappedTable {
             path,
             "weight file has the wrong size"
         );
-        Ok(Self::new(Arc::new(map), HEADER_LEN, rows))
+        Ok(Self::new(map, HEADER_LEN, rows))
     }
 
     /// Number of rows.
@@ -457,6 +456,23 @@ fn column(bits: u64, n: u64) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loaders_of_one_plan_share_its_mapping() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan");
+        let weights: Vec<f64> = (0..1000).map(|i| (i % 7 + 1) as f64).collect();
+        let ids: Vec<u64> = (0..1000).collect();
+        Plan::write(&path, &ids, None, Some(&weights), None).unwrap();
+        let (a, b) = (Plan::open(&path).unwrap(), Plan::open(&path).unwrap());
+        assert!(Arc::ptr_eq(&a.map, &b.map));
+        let table = MappedTable::open(&path).unwrap();
+        assert!(Arc::ptr_eq(&a.map, &table.map));
+        drop((a, b, table));
+        // Once no reader holds it, the mapping goes; the next reader maps the file again.
+        let c = Plan::open(&path).unwrap();
+        assert_eq!(c.rows(), 1000);
+    }
 
     #[test]
     fn plan_round_trip_matches_the_in_memory_table() {
