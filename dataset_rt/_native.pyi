@@ -368,6 +368,12 @@ class Prefetcher:
     def __next__(self) -> Batch: ...
     @property
     def ready(self) -> int: ...
+    @property
+    def opened(self) -> Opened: ...
+
+@final
+class Opened:
+    """The plan and caches an epoch's reader opened; holding it keeps their mappings."""
 
 @final
 class Epoch:

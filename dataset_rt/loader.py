@@ -181,6 +181,7 @@ class Loader:
         # even for an evaluation loader, which otherwise starts over at every iter().
         self._resuming = False
         self._stats = LoaderStats()
+        self._opened: _native.Opened | None = None
 
     def _pack(self) -> None:
         if self._num_workers > 0:
@@ -427,6 +428,9 @@ class Loader:
         spec, stats = self._spec, self._stats
         times = [0.0, 0.0, 0.0]
         prefetcher = spec.batches(schedule, self._epoch, 0, 1)
+        # Kept until the next epoch's reader opens the same files: it then shares their
+        # mappings, with the pages of the plan and the index this epoch touched.
+        self._opened = prefetcher.opened
         while True:
             ready = prefetcher.ready
             start = time.perf_counter()

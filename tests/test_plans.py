@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,31 @@ def test_each_saved_version_has_a_plan_that_a_scan_loader_maps(cache: drt.Cache)
     assert cache.scan().drt.loader(batch_size=16)._spec.plan == str(plan_of(cache, 2))
     assert draws(cache.scan()) == draws(cache.metadata) != draws(cache.metadata_at(1))
     assert draws(cache.scan(), num_workers=2) == draws(cache.scan())  # workers map it too
+
+
+def mapped(path: Path) -> int:
+    """How many mappings of ``path`` this process holds."""
+    with open("/proc/self/maps") as maps:
+        return sum(line.rstrip("\n").endswith(str(path)) for line in maps)
+
+
+def test_a_loader_keeps_its_plan_mapped_between_epochs_and_lets_it_go_with_it(
+    cache: drt.Cache,
+) -> None:
+    # The next epoch then shares the mapping, and the pages the last one touched, instead
+    # of faulting them in again (a page of the plan for most draws of a sparse pass).
+    weighted = cache.scan().with_columns(weight=pl.col("label").drt.balance())
+    cache.save_metadata(weighted.collect())
+    plan = plan_of(cache, 2)
+    loader = cache.scan().drt.loader(batch_size=16, seed=5, collate=list)
+    assert loader._spec.plan == str(plan) and mapped(plan) == 0
+    first = [int(r["x"][0]) for batch in loader for r in batch]
+    assert mapped(plan) == 1
+    second = [int(r["x"][0]) for batch in loader for r in batch]  # the next epoch's draws
+    assert mapped(plan) == 1 and first != second
+    del loader
+    gc.collect()
+    assert mapped(plan) == 0
 
 
 def test_ranks_map_the_same_saved_plan_and_share_out_its_draws(cache: drt.Cache) -> None:

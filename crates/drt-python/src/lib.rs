@@ -56,6 +56,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<loader::PyBatch>()?;
     m.add_class::<loader::PyMappedRecord>()?;
     m.add_class::<loader::PyPrefetcher>()?;
+    m.add_class::<loader::PyOpened>()?;
     m.add_class::<program::PyProgram>()?;
     m.add_class::<program::PyColumns>()?;
     m.add_function(wrap_pyfunction!(program::write_table, m)?)?;

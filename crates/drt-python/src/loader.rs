@@ -476,7 +476,17 @@ impl PyBatch {
 pub struct PyPrefetcher {
     /// Taken out when dropped, so that its thread is joined with the GIL released.
     prefetcher: Option<Prefetcher>,
+    opened: PyOpened,
     pid: u32,
+}
+
+/// The plan and caches an epoch's reader opened. A loader keeps its last epoch's, so that
+/// the next epoch, which opens them again, shares their mappings and the pages the earlier
+/// one touched (see `drt_core::mapping`) instead of faulting them in anew.
+#[pyclass(name = "Opened", module = "dataset_rt._native", frozen)]
+pub struct PyOpened {
+    _plan: Arc<Plan>,
+    _caches: Arc<Vec<drt_core::reader::CacheReader>>,
 }
 
 impl Drop for PyPrefetcher {
@@ -503,15 +513,29 @@ impl PyPrefetcher {
         depth: usize,
     ) -> PyResult<Self> {
         let schedule = schedule.inner;
-        let prefetcher = run(py, || {
+        let (prefetcher, opened) = run(py, || {
             let source = epoch.open(schedule)?;
+            let opened = PyOpened {
+                _plan: source.plan.clone(),
+                _caches: source.caches.clone(),
+            };
             let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
-            Prefetcher::start(source, numbers, depth)
+            Ok((Prefetcher::start(source, numbers, depth)?, opened))
         })?;
         Ok(Self {
             prefetcher: Some(prefetcher),
+            opened,
             pid: std::process::id(),
         })
+    }
+
+    /// What this epoch's reader opened, to keep after the epoch ends.
+    #[getter]
+    fn opened(&self) -> PyOpened {
+        PyOpened {
+            _plan: self.opened._plan.clone(),
+            _caches: self.opened._caches.clone(),
+        }
     }
 
     fn __iter__(slf: Py<Self>) -> Py<Self> {
