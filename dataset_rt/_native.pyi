@@ -24,6 +24,7 @@ __all__ = [
     "Manifest",
     "MappedRecord",
     "MetadataSave",
+    "Opened",
     "PartWriter",
     "Prefetcher",
     "Program",
