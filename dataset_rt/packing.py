@@ -54,12 +54,17 @@ class Steps:
         return _native.TokenStream(epoch_of, total=total, separator=separator)
 
     def batches(
-        self, head: Cursor, last: int, worker: int = 0, workers: int = 1
+        self,
+        head: Cursor,
+        last: int,
+        worker: int = 0,
+        workers: int = 1,
+        stream: _native.TokenStream | None = None,
     ) -> Iterator[tuple[Cursor, dict[str, Any]]]:
         """Steps ``worker``, ``worker + workers``, ... of those from ``head`` ending by ``last``.
 
         Each comes with the cursor of the token after its step (of every rank), where the
-        loader's position then is.
+        loader's position then is. ``stream`` is this epoch's, if already opened.
         """
         import numpy as np
 
@@ -67,7 +72,7 @@ class Steps:
         targets, documents = self.outputs
         width = length + int(targets)
         mine, step = rank * rows * length, world_size * rows * length
-        stream = self.stream()
+        stream = self.stream() if stream is None else stream
         number = 0
         while head[2] + step <= last:
             after = stream.advance(head, step)

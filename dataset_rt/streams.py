@@ -167,6 +167,7 @@ class TokenLoader:
         self._ended = False
         self._origin = 0  # where step 0 of the current epoch starts, in tokens
         self._plan_samples: pl.DataFrame | None = None
+        self._stream: _native.TokenStream | None = None
 
     # -- the stream -----------------------------------------------------------------------------
     def _steps(self, epoch: int) -> Steps:
@@ -228,7 +229,10 @@ class TokenLoader:
         step = self._step_tokens
         last = self._epoch_tokens - self._extra  # a row and its target lie within the epoch
         if self._num_workers == 0:
-            batches = steps.batches(self._head, last)
+            # Kept until the next epoch's stream has opened the same plan and caches: it then
+            # shares their mappings, with the pages this epoch touched.
+            self._stream = steps.stream()
+            batches = steps.batches(self._head, last, stream=self._stream)
         else:
             from dataset_rt.workers import run_workers
 

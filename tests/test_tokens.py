@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 from pathlib import Path
 from typing import Any
@@ -432,6 +433,29 @@ def test_a_loader_over_an_unchanged_scan_maps_the_saved_plan_and_packs_the_same(
     assert len(a) == len(read) > 0
     for x, y in zip(a, read, strict=True):
         np.testing.assert_array_equal(x["input_ids"], y["input_ids"])
+
+
+def test_a_packed_loader_keeps_its_plan_mapped_between_epochs_and_lets_it_go_with_it(
+    corpus: tuple[drt.Cache, list[np.ndarray]],
+) -> None:
+    # The next epoch's stream then shares the mapping and the pages the last one touched.
+    cache, _ = corpus
+    loader = cache.scan().drt.loader(4, seq_len=16, seed=7)
+    plan = Path(loader._plan)
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum(line.rstrip("\n").endswith(str(plan)) for line in maps)
+
+    first = [b["input_ids"] for b in loader]
+    assert mapped() == 1
+    second = [b["input_ids"] for b in loader]
+    assert mapped() == 1
+    assert len(first) == len(second) > 0
+    assert any((a != b).any() for a, b in zip(first, second, strict=True))  # another epoch
+    del loader
+    gc.collect()
+    assert mapped() == 0
 
 
 def live_version(cache: drt.Cache) -> int:
