@@ -62,6 +62,7 @@ class Cache(MetadataVersions):
             registry.remember_decoder(self._manifest.cache_id, decode)
         self._decode = decode if decode is not None else decoder_for(self._manifest.serializer)
         self._metadata: tuple[int, pl.DataFrame] | None = None
+        self._plan_held: tuple[int, _native.Opened] | None = None
 
     # -- identity -------------------------------------------------------------------------
     @property

@@ -60,6 +60,7 @@ class MetadataVersions:
     _reader: _native.CacheReader
     _manifest: _native.Manifest
     _metadata: tuple[int, pl.DataFrame] | None
+    _plan_held: tuple[int, _native.Opened] | None
 
     if TYPE_CHECKING:  # what Cache itself provides
 
@@ -183,6 +184,10 @@ class MetadataVersions:
             return None
         if caches != 1 or not weighted:
             return None
+        if self._plan_held is None or self._plan_held[0] != version:
+            # Held while this object lives, as its shards are: each new loader over the
+            # version finds the plan's pages that earlier ones touched still mapped.
+            self._plan_held = (version, _native.hold_plan(path))
         return str(path), digest, rows, tokens
 
     def _restore_plan(self, version: int, source: str) -> None:

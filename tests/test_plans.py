@@ -63,16 +63,34 @@ def test_a_loader_keeps_its_plan_mapped_between_epochs_and_lets_it_go_with_it(
 ) -> None:
     # The next epoch then shares the mapping, and the pages the last one touched, instead
     # of faulting them in again (a page of the plan for most draws of a sparse pass).
-    weighted = cache.scan().with_columns(weight=pl.col("label").drt.balance())
-    cache.save_metadata(weighted.collect())
-    plan = plan_of(cache, 2)
-    loader = cache.scan().drt.loader(batch_size=16, seed=5, collate=list)
-    assert loader._spec.plan == str(plan) and mapped(plan) == 0
+    edited = cache.metadata.with_columns(weight=pl.col("label").drt.balance())
+    loader = edited.drt.loader(batch_size=16, seed=5, collate=list)
+    plan = Path(loader._spec.plan)  # its own, in a scratch directory
+    assert mapped(plan) == 0
     first = [int(r["x"][0]) for batch in loader for r in batch]
     assert mapped(plan) == 1
     second = [int(r["x"][0]) for batch in loader for r in batch]  # the next epoch's draws
     assert mapped(plan) == 1 and first != second
     del loader
+    gc.collect()
+    assert mapped(plan) == 0
+
+
+def test_a_cache_keeps_its_saved_plan_mapped_for_each_new_loader_while_it_lives() -> None:
+    cache = drt.cache(
+        ({"x": np.full(4, i), "label": i % 4} for i in range(200)),
+        "held",
+        metadata=lambda r: {"label": r["label"]},
+        progress=False,
+    )
+    cache.save_metadata(cache.metadata.with_columns(weight=pl.col("label").drt.balance()))
+    plan = plan_of(cache, 2)
+    assert mapped(plan) == 0
+    for _ in range(2):  # a new loader over the version each time, as a new pass would make
+        assert len(draws(cache.scan())) == 200
+        gc.collect()
+        assert mapped(plan) == 1
+    del cache
     gc.collect()
     assert mapped(plan) == 0
 

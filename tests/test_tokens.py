@@ -440,8 +440,8 @@ def test_a_packed_loader_keeps_its_plan_mapped_between_epochs_and_lets_it_go_wit
 ) -> None:
     # The next epoch's stream then shares the mapping and the pages the last one touched.
     cache, _ = corpus
-    loader = cache.scan().drt.loader(4, seq_len=16, seed=7)
-    plan = Path(loader._plan)
+    loader = cache.metadata.drt.loader(4, seq_len=16, seed=7)
+    plan = Path(loader._plan)  # its own, in a scratch directory
 
     def mapped() -> int:
         with open("/proc/self/maps") as maps:

@@ -68,6 +68,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::plan_file, m)?)?;
     m.add_function(wrap_pyfunction!(store::part_dir, m)?)?;
     m.add_function(wrap_pyfunction!(loader::plan_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(loader::hold_plan, m)?)?;
     m.add_class::<metadata::PyMetadataSave>()?;
     m.add_function(wrap_pyfunction!(metadata::checked_metadata_table, m)?)?;
     m.add_function(wrap_pyfunction!(metadata::metadata_table_file, m)?)?;

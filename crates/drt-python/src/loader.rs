@@ -92,6 +92,18 @@ pub fn plan_rows(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u32, bool, Opt
     })
 }
 
+/// Maps the plan at `path` and holds the mapping: the live version's plan, kept by the
+/// `Cache` whose `scan()` loaders map it, so that each new loader over it finds the pages
+/// earlier ones touched still mapped (see `drt_core::mapping`).
+#[pyfunction]
+pub fn hold_plan(py: Python<'_>, path: PathBuf) -> PyResult<PyOpened> {
+    let plan = run(py, || Plan::open(&path))?;
+    Ok(PyOpened {
+        _plan: Arc::new(plan),
+        _caches: Arc::default(),
+    })
+}
+
 /// What a loader's reading of one epoch opens: its plan, its caches (`cache_dirs[i]`
 /// holding build `cache_ids[i]`), the draws' seed and epoch, whether records are checked
 /// (`verify`) and large buffers read in place (`views`) and, when its weights change with
