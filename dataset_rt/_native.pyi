@@ -378,6 +378,10 @@ class Prefetcher:
 class Opened:
     """The plan and caches an epoch's reader opened; holding it keeps their mappings."""
 
+    @property
+    def plan(self) -> tuple[int, int, bool, int | None]:
+        """The plan's rows, caches, whether it draws by weight, and its tokens or None."""
+
 @final
 class Epoch:
     def __new__(

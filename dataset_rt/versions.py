@@ -175,19 +175,20 @@ class MetadataVersions:
             copy = local_copy(self.path)
             if copy is not None:  # a remote cache's plan is fetched when a loader needs it
                 copy.fetch(_native.plan_file(version))
-            rows, caches, weighted, tokens = _native.plan_rows(path)
+            held = _native.hold_plan(path)
             if verify and _native.file_checksum(path)[1] != digest:
                 return None
         except StaleCacheError:
             raise
         except (CacheCorruptError, CacheIOError, CacheNotFoundError):
             return None
+        rows, caches, weighted, tokens = held.plan
         if caches != 1 or not weighted:
             return None
         if self._plan_held is None or self._plan_held[0] != version:
             # Held while this object lives, as its shards are: each new loader over the
             # version finds the plan's pages that earlier ones touched still mapped.
-            self._plan_held = (version, _native.hold_plan(path))
+            self._plan_held = (version, held)
         return str(path), digest, rows, tokens
 
     def _restore_plan(self, version: int, source: str) -> None:

@@ -99,7 +99,7 @@ pub fn plan_rows(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u32, bool, Opt
 pub fn hold_plan(py: Python<'_>, path: PathBuf) -> PyResult<PyOpened> {
     let plan = run(py, || Plan::open(&path))?;
     Ok(PyOpened {
-        _plan: Arc::new(plan),
+        plan: Arc::new(plan),
         _caches: Arc::default(),
     })
 }
@@ -495,10 +495,37 @@ pub struct PyPrefetcher {
 /// The plan and caches an epoch's reader opened. A loader keeps its last epoch's, so that
 /// the next epoch, which opens them again, shares their mappings and the pages the earlier
 /// one touched (see `drt_core::mapping`) instead of faulting them in anew.
-#[pyclass(name = "Opened", module = "dataset_rt._native", frozen)]
+#[pyclass(
+    name = "Opened",
+    module = "dataset_rt._native",
+    frozen,
+    skip_from_py_object
+)]
+#[derive(Clone)]
 pub struct PyOpened {
-    _plan: Arc<Plan>,
+    plan: Arc<Plan>,
     _caches: Arc<Vec<drt_core::reader::CacheReader>>,
+}
+
+impl PyOpened {
+    /// What `source` opened.
+    fn of(source: &Source) -> Self {
+        Self {
+            plan: source.plan.clone(),
+            _caches: source.caches.clone(),
+        }
+    }
+}
+
+#[pymethods]
+impl PyOpened {
+    /// The plan's rows, its caches, whether it draws by weight and its tokens (None unless
+    /// it holds token documents' lengths), as [`plan_rows`] gives them.
+    #[getter]
+    fn plan(&self) -> (u64, u32, bool, Option<u64>) {
+        let plan = &self.plan;
+        (plan.rows(), plan.caches(), plan.weighted(), plan.tokens())
+    }
 }
 
 impl Drop for PyPrefetcher {
@@ -527,10 +554,7 @@ impl PyPrefetcher {
         let schedule = schedule.inner;
         let (prefetcher, opened) = run(py, || {
             let source = epoch.open(schedule)?;
-            let opened = PyOpened {
-                _plan: source.plan.clone(),
-                _caches: source.caches.clone(),
-            };
+            let opened = PyOpened::of(&source);
             let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
             Ok((Prefetcher::start(source, numbers, depth)?, opened))
         })?;
@@ -544,10 +568,7 @@ impl PyPrefetcher {
     /// What this epoch's reader opened, to keep after the epoch ends.
     #[getter]
     fn opened(&self) -> PyOpened {
-        PyOpened {
-            _plan: self.opened._plan.clone(),
-            _caches: self.opened._caches.clone(),
-        }
+        self.opened.clone()
     }
 
     fn __iter__(slf: Py<Self>) -> Py<Self> {
