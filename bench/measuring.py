@@ -87,33 +87,44 @@ class MemorySampler(threading.Thread):
     Multiprocessing's helpers (its resource tracker, the fork server that workers are
     forked from) count in the total only; every other descendant is a worker. Each pass
     starts new workers, so the two largest are the peak of the two running at a time.
+
+    The thread samples the descendants every 0.2 s; this process is sampled only when
+    :meth:`sample` is called, after a pass and outside its timing. Reading a process's
+    ``smaps_rollup`` walks the page tables of all its mappings (40-80 ms for a reader of a
+    100M-row cache, as long as a whole pass), which would otherwise take a core from the
+    pass being measured, and more from the system whose reader maps more pages.
     """
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peaks: dict[int, tuple[int, int, int]] = {}
         self.total = 0
+        self._parent_pss = 0
         self._stop = threading.Event()
 
     def run(self) -> None:
         while not self._stop.wait(0.2):
-            self.sample()
+            self.sample(parent=False)
 
-    def sample(self) -> None:
+    def sample(self, parent: bool = True) -> None:
+        """Samples the descendants, and this process unless ``parent`` is false (its last
+        sampled PSS then counts in the total)."""
         kids = _children()
-        found, frontier = [], [os.getpid()]
+        me = os.getpid()
+        found, frontier = [], [me]
         while frontier:
             below = kids.get(frontier.pop(), [])
             found += below
             frontier += below
-        total = 0
-        me = os.getpid()
-        for pid in [me, *found]:
+        total = 0 if parent else self._parent_pss
+        for pid in [me, *found] if parent else found:
             try:
                 rss, pss, anon = _smaps(pid)
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except (OSError, KeyError):
                 continue
+            if pid == me:
+                self._parent_pss = pss
             total += pss
             helper = b"resource_tracker" in cmdline or (
                 b"forkserver" in cmdline and pid in kids.get(me, [])
