@@ -365,7 +365,14 @@ class MappedRecord:
 @final
 class Prefetcher:
     def __new__(
-        cls, epoch: Epoch, schedule: Schedule, first: int, step: int, depth: int
+        cls,
+        epoch: Epoch,
+        schedule: Schedule,
+        first: int,
+        step: int,
+        depth: int,
+        *,
+        positioned: bool = False,
     ) -> Prefetcher: ...
     def __iter__(self) -> Prefetcher: ...
     def __next__(self) -> Batch: ...
@@ -373,6 +380,9 @@ class Prefetcher:
     def ready(self) -> int: ...
     @property
     def opened(self) -> Opened: ...
+    @property
+    def positioned(self) -> bool:
+        """Whether records are read with positioned reads rather than through mappings."""
 
 @final
 class Opened:
