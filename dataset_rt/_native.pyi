@@ -365,14 +365,7 @@ class MappedRecord:
 @final
 class Prefetcher:
     def __new__(
-        cls,
-        epoch: Epoch,
-        schedule: Schedule,
-        first: int,
-        step: int,
-        depth: int,
-        *,
-        positioned: bool = False,
+        cls, epoch: Epoch, schedule: Schedule, first: int, step: int, depth: int
     ) -> Prefetcher: ...
     def __iter__(self) -> Prefetcher: ...
     def __next__(self) -> Batch: ...
@@ -380,9 +373,6 @@ class Prefetcher:
     def ready(self) -> int: ...
     @property
     def opened(self) -> Opened: ...
-    @property
-    def positioned(self) -> bool:
-        """Whether records are read with positioned reads rather than through mappings."""
 
 @final
 class Opened:

@@ -66,26 +66,13 @@ class LoaderSpec:
         )
 
     def batches(
-        self,
-        schedule: _native.Schedule,
-        epoch: int,
-        first: int,
-        step: int,
-        *,
-        positioned: bool = False,
+        self, schedule: _native.Schedule, epoch: int, first: int, step: int
     ) -> _native.Prefetcher:
-        """Batches ``first, first + step, ...`` of ``schedule``, read ahead on a native thread.
-
-        ``positioned``: the reader ends with the epoch (a worker process's), and reads sparse
-        draws from large files with positioned reads rather than through mappings that would
-        not outlive it.
-        """
+        """Batches ``first, first + step, ...`` of ``schedule``, read ahead on a native thread."""
         for remote in self.remotes:
             if remote is not None:
                 remote.attach()  # before the readers open: they fetch their shards through it
-        return _native.Prefetcher(
-            self.epoch(epoch), schedule, first, step, self.depth, positioned=positioned
-        )
+        return _native.Prefetcher(self.epoch(epoch), schedule, first, step, self.depth)
 
     def shard_prefetch(self, schedule: _native.Schedule, epoch: int) -> ShardPrefetch | None:
         """Starts fetching the remote shards ``epoch`` reads ahead of its batches; None if none.

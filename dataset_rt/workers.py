@@ -181,10 +181,7 @@ class _WorkerStream(tud.IterableDataset[Any]):
         ring = WorkerRing(self.flags, worker)
         set_worker_ring(ring)
         try:
-            # A worker ends with its epoch: pages it would map for sparse draws would not
-            # serve a later one, and unmapping them all costs as much again at its end.
-            batches = spec.batches(self.schedule, self.epoch, worker, workers, positioned=True)
-            for batch in batches:
+            for batch in spec.batches(self.schedule, self.epoch, worker, workers):
                 times = [0.0, 0.0, 0.0]
                 out = ring.pack(assemble(batch, spec, times))
                 # The counters travel with the batch, for the main process's loader.stats().

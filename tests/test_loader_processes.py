@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pytest
-import torch
 from helpers import python_child
 
 import dataset_rt as drt
@@ -136,27 +135,3 @@ def test_weighted_sampling_far_beyond_torch_multinomial_limit() -> None:
     seen: list[Any] = [i for b in loader for i in b]
     assert len(seen) == 5000
     assert set(seen) <= {int(r % 1000) for r in hot}
-
-
-def test_workers_read_sparse_draws_by_position_and_deliver_the_same_batches() -> None:
-    # 4,000 records of 2 KiB: 8 MB. A worker that draws a few dozen would fault in a 64 KiB
-    # window of pages for nearly each, and unmap them all as it ends; it reads them with
-    # positioned reads instead. A worker that draws most of them keeps the mappings.
-    records = ({"x": np.full(512, i, dtype=np.int32), "i": i} for i in range(4000))
-    cache = drt.cache(records, "sparse", progress=False)
-    frame = cache.metadata.with_columns(weight=(pl.col("sample_id") % 3 + 1).cast(pl.Float64))
-    sparse = frame.drt.loader(batch_size=8, seed=5, num_samples=48, num_workers=2)
-    spec, schedule = sparse._spec, sparse._layout.at(0)
-    assert spec.batches(schedule, 0, 0, 2, positioned=True).positioned
-    assert not spec.batches(schedule, 0, 0, 2).positioned  # the main process's reader
-    dense = frame.drt.loader(batch_size=8, seed=5, num_samples=8000, num_workers=2)
-    assert not dense._spec.batches(dense._layout.at(0), 0, 0, 2, positioned=True).positioned
-    for epoch in range(2):
-        reference = frame.drt.loader(batch_size=8, seed=5, num_samples=48)
-        reference.set_epoch(epoch)
-        sparse.set_epoch(epoch)
-        pairs = list(zip(sparse, reference, strict=True))
-        assert len(pairs) == 6
-        for got, expected in pairs:
-            assert torch.equal(got["i"], expected["i"])
-            assert torch.equal(got["x"], got["i"][:, None].to(torch.int32).expand(-1, 512))

@@ -43,11 +43,11 @@ pub struct Location {
 /// The longest record an index can locate: its length is stored in 32 bits.
 pub const MAX_RECORD_LEN: u64 = u32::MAX as u64;
 /// Bytes per row of the `locator` column.
-pub(crate) const LOCATOR_LEN: usize = 16;
+const LOCATOR_LEN: usize = 16;
 
 impl Location {
     /// The row of the `locator` column: offset, length, shard.
-    pub(crate) fn encode(&self) -> Result<[u8; LOCATOR_LEN]> {
+    fn encode(&self) -> Result<[u8; LOCATOR_LEN]> {
         let length = u32::try_from(self.length).map_err(|_| {
             Error::Internal(format!(
                 "a record of {} bytes reached the index",
@@ -61,9 +61,8 @@ impl Location {
         Ok(row)
     }
 
-    /// A row of the `locator` column, as [`encode`](Self::encode) wrote it.
     #[inline]
-    pub(crate) fn decode(row: &[u8]) -> Self {
+    fn decode(row: &[u8]) -> Self {
         let (mut offset, mut length, mut shard) = ([0u8; 8], [0u8; 4], [0u8; 4]);
         offset.copy_from_slice(&row[..8]);
         length.copy_from_slice(&row[8..12]);
@@ -213,10 +212,6 @@ impl<W: Write> Write for HashingWriter<W> {
 pub struct Index {
     checksum: ScalarBuffer<u64>,
     layout: Layout,
-    /// The mapped file, which the buffers above view.
-    map: Arc<MappedFile>,
-    /// Where the locators start in the file (format 5).
-    locators_at: Option<u64>,
 }
 
 /// How an index stores its locations.
@@ -249,7 +244,7 @@ impl Index {
             .ok_or_else(|| Error::corrupt(path, "empty index file"))?;
         // SAFETY: `ptr` and `len` describe the mapping, which the buffer keeps alive by owning
         // it; the mapping is read-only and is never written through the buffer.
-        let buffer = unsafe { Buffer::from_custom_allocation(ptr, len, map.clone()) };
+        let buffer = unsafe { Buffer::from_custom_allocation(ptr, len, map) };
         // The IPC decoder validates the flatbuffers it reads, but a damaged file must never
         // take the process down, so a panic deep inside it is turned into a corruption error.
         let parsed = catch_unwind(AssertUnwindSafe(|| decode(&buffer)))
@@ -279,7 +274,6 @@ impl Index {
                 .values()
                 .clone()
         };
-        let mut locators_at = None;
         let layout = if compact {
             let locators = batch.column(0).as_fixed_size_binary();
             ensure_intact!(
@@ -289,9 +283,7 @@ impl Index {
                 locators.value_data().len(),
                 locators.len()
             );
-            let rows = locators.values().clone();
-            locators_at = Some((rows.as_ptr() as usize - map.as_ptr() as usize) as u64);
-            Layout::Locators(rows)
+            Layout::Locators(locators.values().clone())
         } else {
             Layout::Columns {
                 sample_id: u64_col(0),
@@ -305,12 +297,7 @@ impl Index {
             }
         };
         let checksum = u64_col(batch.num_columns() - 1);
-        Ok(Index {
-            checksum,
-            layout,
-            map,
-            locators_at,
-        })
+        Ok(Index { checksum, layout })
     }
 
     /// Number of samples.
@@ -352,18 +339,6 @@ impl Index {
                 length: length[i],
             },
         }
-    }
-
-    /// Where `sample_id`'s locator (which the caller has checked to be `< len()`) lies in
-    /// the index file, for a reader that reads it with a positioned read instead of through
-    /// the mapping: format 5 only (`None` for older layouts). [`Location::decode`] reads it.
-    pub(crate) fn locator_at(&self, sample_id: u64) -> Option<u64> {
-        Some(self.locators_at? + sample_id * LOCATOR_LEN as u64)
-    }
-
-    /// The mapped index file.
-    pub(crate) fn mapping(&self) -> &Arc<MappedFile> {
-        &self.map
     }
 
     /// The xxh3-64 of record `sample_id`'s stored bytes (`sample_id < len()`).

@@ -26,8 +26,6 @@ use crate::error::{IoContext, Result};
 pub struct MappedFile {
     map: Mmap,
     slot: Option<usize>,
-    /// The file's (device, inode).
-    key: (u64, u64),
 }
 
 /// The files this process has mapped, by file identity (device, inode): every reader of a
@@ -40,9 +38,9 @@ static MAPPED: Mutex<Option<Mappings>> = Mutex::new(None);
 type Mappings = HashMap<(u64, u64), Weak<MappedFile>>;
 
 impl MappedFile {
-    fn new(map: Mmap, key: (u64, u64)) -> Self {
+    fn new(map: Mmap) -> Self {
         let slot = crate::sigbus::register(map.as_ptr() as usize, map.len());
-        Self { map, slot, key }
+        Self { map, slot }
     }
 
     /// Maps `file` read-only, or shares this process's live mapping of it.
@@ -62,19 +60,12 @@ impl MappedFile {
         // mapping's length. A file truncated under its mapping reads as zeros there (see
         // `crate::sigbus`) instead of raising SIGBUS.
         let map = unsafe { Mmap::map(file) }.at(path)?;
-        let live = Arc::new(Self::new(map, key));
+        let live = Arc::new(Self::new(map));
         if mapped.len() >= 64 && mapped.len().is_power_of_two() {
             mapped.retain(|_, file| file.strong_count() > 0);
         }
         mapped.insert(key, Arc::downgrade(&live));
         Ok(live)
-    }
-
-    /// Whether `file` is the file mapped here (the same device and inode), and not one that
-    /// has since replaced it under the same name.
-    pub fn is_file(&self, file: &std::fs::File, path: &Path) -> Result<bool> {
-        let meta = file.metadata().at(path)?;
-        Ok((meta.dev(), meta.ino()) == self.key)
     }
 
     /// Whether the file's pages may be read outside guarded sections (it found a slot).
@@ -85,15 +76,6 @@ impl MappedFile {
     /// Whether a view of the file found it shrunk (some pages read as zeros since).
     pub fn shrank(&self) -> bool {
         self.slot.is_some_and(crate::sigbus::shrank)
-    }
-}
-
-impl std::fmt::Debug for MappedFile {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MappedFile")
-            .field("len", &self.map.len())
-            .field("key", &self.key)
-            .finish()
     }
 }
 

@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::mapping::Span;
 use crate::plan::Plan;
 use crate::program::{draw_each, row_at, Program, PREFETCH_AHEAD};
-use crate::reader::{CacheReader, PositionedFiles};
+use crate::reader::CacheReader;
 use crate::sampler::EpochRandom;
 use crate::schedule::Schedule;
 
@@ -255,18 +255,7 @@ pub struct Source {
     pub recycler: Arc<Recycler>,
     /// Which records to leave in their mapped shard; `None`: copy every record.
     pub views: Option<Arc<ViewRule>>,
-    /// Each cache's files for positioned reads, where records are read that way instead of
-    /// through the mappings (see [`positioned_where_sparse`](Self::positioned_where_sparse)).
-    pub positioned: Option<Arc<Vec<PositionedFiles>>>,
 }
-
-/// The bytes around a faulting address that the kernel maps at once (its "fault-around",
-/// `fault_around_bytes`, 64 KiB by default): a read through a mapping that finds no page
-/// mapped maps the window of this size around it, of the pages already in the page cache.
-const FAULT_WINDOW: u64 = 64 << 10;
-/// The longest mean record length read with positioned reads: beyond it, copying a record
-/// costs more than faulting in the windows it spans.
-const MAX_POSITIONED_MEAN: u64 = 64 << 10;
 
 /// Records left in their mapped shard instead of copied into the batch: those at least
 /// `min_len` bytes long that start with `prefix` at an address aligned to `align` bytes.
@@ -409,41 +398,7 @@ impl Source {
             } else {
                 ViewRule::every_record()
             })),
-            positioned: None,
         })
-    }
-
-    /// Reads records and their index entries with positioned reads (`pread`) instead of
-    /// through the mappings, where a reader that makes `draws` draws and then ends (a worker
-    /// process's epoch) would otherwise fault in a fresh window of pages for most of them.
-    ///
-    /// A read through a mapping that finds no page mapped maps a [`FAULT_WINDOW`] around it:
-    /// measured on 2 cores (2026-12-07) at 2.8 µs for a 2.4 GB file read sparsely, and 1.7 µs
-    /// more to unmap it when the reader ends, against 1.4 µs for a `pread` of a few bytes.
-    /// Once draws land in windows already mapped the mapping costs nothing more, so it is kept
-    /// where `draws` windows would cover half the cache's locators and records or more, or
-    /// records are long (copying them then costs more than the windows they span). Also kept
-    /// for checked reads (`verify`), which read the checksums through the mapping, and
-    /// for caches whose files are fetched, or whose index predates format 5.
-    pub fn positioned_where_sparse(mut self, draws: u64) -> Result<Self> {
-        if self.verify {
-            return Ok(self);
-        }
-        let mut files = Vec::with_capacity(self.caches.len());
-        for reader in self.caches.iter() {
-            let records = reader.manifest().nbytes;
-            let bytes = reader.len() * crate::index::LOCATOR_LEN as u64 + records;
-            let mean = records / reader.len().max(1);
-            if mean > MAX_POSITIONED_MEAN || draws.saturating_mul(FAULT_WINDOW) > bytes / 2 {
-                return Ok(self);
-            }
-            if !reader.reads_positioned()? {
-                return Ok(self);
-            }
-            files.push(PositionedFiles::default());
-        }
-        self.positioned = Some(Arc::new(files));
-        Ok(self)
     }
 
     /// The shards this rank's batches read, in the order they are first needed, each once:
@@ -515,10 +470,7 @@ impl Source {
     /// Reads batch `number` of the schedule. A mapped file that shrank meanwhile (SIGBUS)
     /// is an error, and the caches stop serving reads.
     pub fn read(&self, number: u64) -> Result<Batch> {
-        self.guarded(|| match &self.positioned {
-            Some(files) if !self.verify => self.read_positioned(number, files),
-            _ => self.read_mapped(number),
-        })
+        self.guarded(|| self.read_mapped(number))
     }
 
     /// Runs `f`, which reads the caches' mapped files. A mapped file that shrank meanwhile
@@ -537,8 +489,7 @@ impl Source {
         result
     }
 
-    /// Batch `number`'s draws: its records' caches and sample ids, its buffer still empty.
-    fn drawn(&self, number: u64) -> Batch {
+    fn read_mapped(&self, number: u64) -> Result<Batch> {
         let mut batch = Batch::default();
         batch.number = number;
         let positions: Vec<u64> = self.schedule.batch_positions(number).collect();
@@ -559,81 +510,6 @@ impl Source {
             batch.caches.push(cache);
             batch.sample_ids.push(sample_id);
         }
-        batch
-    }
-
-    /// Batch `number` read with positioned reads of `files`: each record's index entry,
-    /// then its stored bytes into the batch's buffer (or, compressed, into a scratch buffer
-    /// and decoded into the batch's). No record is left in its shard.
-    fn read_positioned(&self, number: u64, files: &[PositionedFiles]) -> Result<Batch> {
-        let mut batch = self.drawn(number);
-        let mut located = Vec::with_capacity(batch.len());
-        for (&cache, &sample_id) in batch.caches.iter().zip(&batch.sample_ids) {
-            let opened = files.get(cache as usize).ok_or_else(|| {
-                Error::Internal(format!("cache code {cache} has no positioned files"))
-            })?;
-            located.push(self.reader(cache)?.located(opened, sample_id)?);
-        }
-        let compressed = self.caches.iter().any(|reader| !reader.codec().is_none());
-        // Compressed records are read into one scratch buffer first: the lengths they decode
-        // to size the batch's buffer.
-        let mut scratch = Vec::new();
-        let mut lens = Vec::with_capacity(batch.len());
-        if compressed {
-            let stored: usize = located.iter().map(|(loc, ..)| loc.length as usize).sum();
-            scratch.resize(stored, 0);
-            let mut at = 0;
-            for (i, &found) in located.iter().enumerate() {
-                let (cache, sample_id) = (batch.caches[i], batch.sample_ids[i]);
-                let reader = self.reader(cache)?;
-                let out = &mut scratch[at..at + found.0.length as usize];
-                reader.read_stored(&files[cache as usize], sample_id, found, out)?;
-                lens.push(reader.decoded_len(sample_id, out)?.unwrap_or(out.len()));
-                at += found.0.length as usize;
-            }
-        } else {
-            lens.extend(located.iter().map(|(loc, ..)| loc.length as usize));
-        }
-        let room = lens.iter().sum::<usize>() + (batch.len() + 1) * (BATCH_ALIGN - 1);
-        batch.data = self.recycler.take(room);
-        batch.data.reserve_exact(room);
-        batch.starts.reserve_exact(batch.len());
-        batch.ends.reserve_exact(batch.len());
-        batch.recycle = Recycle(Some(self.recycler.clone()));
-        let base = batch.data.as_ptr() as usize;
-        let mut at = 0;
-        for (i, (&found, &len)) in located.iter().zip(&lens).enumerate() {
-            let misalign = (base + batch.data.len()) % BATCH_ALIGN;
-            if misalign != 0 {
-                batch
-                    .data
-                    .resize(batch.data.len() + BATCH_ALIGN - misalign, 0);
-            }
-            let start = batch.data.len();
-            batch.starts.push(start as u64);
-            batch.data.resize(start + len, 0);
-            let (cache, sample_id) = (batch.caches[i], batch.sample_ids[i]);
-            let reader = self.reader(cache)?;
-            let out = &mut batch.data[start..];
-            if compressed {
-                let stored = &scratch[at..at + found.0.length as usize];
-                at += stored.len();
-                if reader.codec().is_none() {
-                    out.copy_from_slice(stored);
-                } else {
-                    reader.decode_into(sample_id, stored, out)?;
-                }
-            } else {
-                reader.read_stored(&files[cache as usize], sample_id, found, out)?;
-            }
-            batch.ends.push(batch.data.len() as u64);
-        }
-        debug_assert_eq!(batch.data.as_ptr() as usize, base, "the batch buffer moved");
-        Ok(batch)
-    }
-
-    fn read_mapped(&self, number: u64) -> Result<Batch> {
-        let mut batch = self.drawn(number);
         let mut stored = Vec::with_capacity(batch.len());
         for (i, (&cache, &sample_id)) in batch.caches.iter().zip(&batch.sample_ids).enumerate() {
             // Each record's index entry is asked for PREFETCH_AHEAD records before its read,
@@ -768,7 +644,6 @@ mod tests {
     use super::*;
     use crate::compress::Codec;
     use crate::format::Manifest;
-    use crate::index::Location;
     use crate::writer::{CacheWriter, ManifestInfo, WriteOptions};
 
     fn cache(dir: &std::path::Path, n: u64) -> CacheReader {
@@ -812,7 +687,6 @@ mod tests {
             verify: true,
             recycler: Arc::default(),
             views: None,
-            positioned: None,
         }
     }
 
@@ -874,7 +748,6 @@ mod tests {
                 min_len: 1000,
                 align: BATCH_ALIGN,
             })),
-            positioned: None,
         };
         let batch = src.read(0).unwrap();
         let total: usize = records.iter().map(Vec::len).sum();
@@ -1023,181 +896,6 @@ mod tests {
             // At most alignment padding in the buffer when every record stayed in place.
             assert_eq!(batch.data.len() < BATCH_ALIGN, compression.is_none());
         }
-    }
-
-    /// A source reading `ids` of the cache in `dir` in order, `batch` at a time.
-    fn source_over(dir: &Path, ids: &[u64], batch: u64, views: Option<ViewRule>) -> Source {
-        let plan_path = dir.join("plan");
-        Plan::write(&plan_path, ids, None, None, None).unwrap();
-        let n = ids.len() as u64;
-        Source {
-            plan: Arc::new(Plan::open(&plan_path).unwrap()),
-            caches: Arc::new(vec![CacheReader::open(dir).unwrap()]),
-            random: EpochRandom::new(0, 0),
-            program: None,
-            first_draw: 0,
-            schedule: Schedule::new(n, 0, (0, 1), (batch, false)).unwrap(),
-            verify: false,
-            recycler: Arc::default(),
-            views: views.map(Arc::new),
-            positioned: None,
-        }
-    }
-
-    /// `source` reading with positioned reads, whatever its draws.
-    fn positioned(source: Source) -> Source {
-        assert!(source.caches.iter().all(|c| c.reads_positioned().unwrap()));
-        let files = source.caches.iter().map(|_| PositionedFiles::default());
-        Source {
-            positioned: Some(Arc::new(files.collect())),
-            ..source
-        }
-    }
-
-    #[test]
-    fn positioned_reads_give_the_records_mapped_reads_give() {
-        let records: Vec<Vec<u8>> = (0..40u8)
-            .map(|i| vec![i; 37 + 300 * usize::from(i % 7)])
-            .collect();
-        let ids: Vec<u64> = (0..40).rev().chain([3, 3, 17, 0, 39]).collect();
-        for compression in [Codec::None, Codec::Lz4, Codec::Zstd { level: 3 }] {
-            let dir = tempfile::tempdir().unwrap();
-            let opts = WriteOptions {
-                compression,
-                shard_size: 8192, // several shards
-                ..WriteOptions::default()
-            };
-            crate::reader::tests::build(dir.path(), &records, opts);
-            let what = format!("{compression:?}");
-            for views in [None, Some(ViewRule::every_record())] {
-                let mapped = source_over(dir.path(), &ids, 6, views);
-                let by_position = positioned(mapped.clone());
-                for number in 0..mapped.schedule.num_batches() {
-                    let (a, b) = (
-                        mapped.read(number).unwrap(),
-                        by_position.read(number).unwrap(),
-                    );
-                    let expect: Vec<u64> = ids
-                        .iter()
-                        .skip(6 * number as usize)
-                        .take(6)
-                        .copied()
-                        .collect();
-                    assert_eq!(b.sample_ids, expect, "{what}");
-                    assert_holds(&b, &expect, &records, &what);
-                    for i in 0..a.len() {
-                        assert_eq!(a.record(i), b.record(i), "{what}: batch {number}");
-                    }
-                    for i in 0..b.len() {
-                        assert!(b.outside(i).is_none(), "{what}: read into the batch");
-                        assert_eq!(b.record(i).as_ptr() as usize % BATCH_ALIGN, 0);
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn positioned_reads_of_files_replaced_under_the_reader_read_what_it_opened() {
-        let dir = tempfile::tempdir().unwrap();
-        let old: Vec<Vec<u8>> = (0..16u8).map(|i| vec![i; 3000]).collect();
-        crate::reader::tests::build(dir.path(), &old, WriteOptions::default());
-        let ids: Vec<u64> = (0..16).rev().collect();
-        let source = positioned(source_over(dir.path(), &ids, 4, None));
-        // Another build of records as long, its files renamed over the first's.
-        let other = tempfile::tempdir().unwrap();
-        let new: Vec<Vec<u8>> = (0..16u8).map(|i| vec![i + 100; 3000]).collect();
-        crate::reader::tests::build(other.path(), &new, WriteOptions::default());
-        for file in ["index.arrow", "shards/00000.bin"] {
-            std::fs::rename(other.path().join(file), dir.path().join(file)).unwrap();
-        }
-        for number in 0..4 {
-            let expect = &ids[4 * number as usize..4 * number as usize + 4];
-            assert_holds(&source.read(number).unwrap(), expect, &old, "opened");
-        }
-        let reopened = positioned(source_over(dir.path(), &ids, 4, None));
-        assert_holds(&reopened.read(0).unwrap(), &ids[..4], &new, "reopened");
-    }
-
-    #[test]
-    fn positioned_reads_are_chosen_for_sparse_draws_of_small_records_only() {
-        let dir = tempfile::tempdir().unwrap();
-        // 64 records of 16 KiB: about 1 MiB of records and locators.
-        let records: Vec<Vec<u8>> = (0..64u8).map(|i| vec![i; 16 << 10]).collect();
-        crate::reader::tests::build(dir.path(), &records, WriteOptions::default());
-        let ids: Vec<u64> = (0..64).collect();
-        let sparse = |draws| {
-            let source = source_over(dir.path(), &ids, 8, None);
-            source
-                .positioned_where_sparse(draws)
-                .unwrap()
-                .positioned
-                .is_some()
-        };
-        // 8 windows of 64 KiB are half of it; 9 would be more.
-        assert!(sparse(8));
-        assert!(!sparse(9));
-        let checked = Source {
-            verify: true,
-            ..source_over(dir.path(), &ids, 8, None)
-        };
-        assert!(checked
-            .positioned_where_sparse(1)
-            .unwrap()
-            .positioned
-            .is_none());
-        // Records longer than a window are read through the mapping, however few.
-        let dir = tempfile::tempdir().unwrap();
-        let records: Vec<Vec<u8>> = (0..8u8).map(|i| vec![i; 100 << 10]).collect();
-        crate::reader::tests::build(dir.path(), &records, WriteOptions::default());
-        let source = source_over(dir.path(), &[0, 1, 2], 3, None);
-        assert!(source
-            .positioned_where_sparse(1)
-            .unwrap()
-            .positioned
-            .is_none());
-    }
-
-    #[test]
-    fn positioned_reads_name_a_locator_out_of_its_shard_and_stop_at_a_truncated_shard() {
-        let dir = tempfile::tempdir().unwrap();
-        let records: Vec<Vec<u8>> = (0..24u8).map(|i| vec![i; 4000]).collect();
-        crate::reader::tests::build(dir.path(), &records, WriteOptions::default());
-        let ids: Vec<u64> = (0..24).collect();
-        let source = positioned(source_over(dir.path(), &ids, 4, None));
-        assert_holds(&source.read(1).unwrap(), &[4, 5, 6, 7], &records, "sound");
-        // Record 6's locator says it is far longer than its shard.
-        let files = PositionedFiles::default();
-        let (loc, ..) = source.caches[0].located(&files, 6).unwrap();
-        let index = dir.path().join("index.arrow");
-        let mut bytes = std::fs::read(&index).unwrap();
-        let row = Location::encode(&loc).unwrap();
-        let at = bytes.windows(row.len()).position(|w| w == row).unwrap();
-        bytes[at + 11] = 0x7f; // the length's high byte
-        drop((source, files));
-        let replaced = dir.path().join("index.tmp");
-        std::fs::write(&replaced, &bytes).unwrap();
-        std::fs::rename(&replaced, &index).unwrap();
-        let source = positioned(source_over(dir.path(), &ids, 4, None));
-        let err = source.read(1).unwrap_err();
-        let text = err.to_string();
-        assert!(
-            text.contains("sample_id 6") && text.contains("00000.bin"),
-            "{text}"
-        );
-        assert!(matches!(err, Error::Corrupt { .. }), "{err:?}");
-        assert_holds(&source.read(0).unwrap(), &[0, 1, 2, 3], &records, "before");
-        // A shard truncated under the reader: an error, and the cache stops serving.
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(dir.path().join("shards/00000.bin"))
-            .unwrap()
-            .set_len(8192)
-            .unwrap();
-        let err = source.read(5).unwrap_err();
-        assert!(err.to_string().contains("shrank"), "{err}");
-        let err = source.read(0).unwrap_err();
-        assert!(err.to_string().contains("shrank"), "{err}");
     }
 
     #[test]

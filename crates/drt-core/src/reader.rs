@@ -5,18 +5,15 @@
 //! A cache whose files are fetched on first use (see [`crate::fetch`]) checks and maps each
 //! index and shard when it is first needed instead.
 
-use std::collections::HashMap;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use crate::compress::Codec;
 use crate::error::{Error, IoContext, Result};
 use crate::fetch::Fetcher;
 use crate::format::{checksum_hex, Manifest, SHARD_HEADER_LEN, SHARD_MAGIC};
-use crate::index::{Index, Location, LOCATOR_LEN};
+use crate::index::{Index, Location};
 use crate::mapping::{MappedFile, Span};
 
 struct Shard {
@@ -38,57 +35,6 @@ struct Segment {
     index_file: String,
     index_size: u64,
     shards: Vec<Shard>,
-}
-
-/// A cache's files opened for positioned reads (`pread`), for a reader that draws few
-/// records from large files (see [`crate::prefetch::Source::positioned_where_sparse`]): it
-/// reads each record and its index entry with one system call apiece instead of faulting in
-/// a window of pages around each through the mappings, and unmapping them all when it ends.
-#[derive(Default)]
-pub struct PositionedFiles {
-    /// The files opened so far: `None` where the file at the path is no longer the one
-    /// mapped, which is then read through the mapping. At most [`MAX_POSITIONED_FILES`].
-    open: Mutex<HashMap<FileKey, Option<Arc<File>>>>,
-}
-
-/// A file of a cache: a segment's index, or a shard of a segment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum FileKey {
-    Index(usize),
-    Shard(usize, u32),
-}
-
-/// The most files a [`PositionedFiles`] keeps open: when full, it closes them all and opens
-/// again those read next.
-const MAX_POSITIONED_FILES: usize = 256;
-
-impl PositionedFiles {
-    /// The file `key` at `path`, opened now if it is not yet, if it is the one `mapped`.
-    fn file(&self, key: FileKey, path: &Path, mapped: &MappedFile) -> Result<Option<Arc<File>>> {
-        let mut open = self
-            .open
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(file) = open.get(&key) {
-            return Ok(file.clone());
-        }
-        if open.len() >= MAX_POSITIONED_FILES {
-            open.clear();
-        }
-        let file = File::open(path).at(path)?;
-        let file = mapped.is_file(&file, path)?.then(|| Arc::new(file));
-        open.insert(key, file.clone());
-        Ok(file)
-    }
-}
-
-/// Reads `out.len()` bytes of `file` at `offset`; `Ok(false)` if the file ends first.
-fn read_exact_at(file: &File, out: &mut [u8], offset: u64, path: &Path) -> Result<bool> {
-    match file.read_exact_at(out, offset) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
-        Err(e) => Err(e).at(path),
-    }
 }
 
 /// An open cache.
@@ -357,90 +303,10 @@ impl CacheReader {
 
     /// The segment holding `sample_id` (which is in range).
     fn segment_of(&self, sample_id: u64) -> &Segment {
-        &self.segments[self.segment_number(sample_id)]
-    }
-
-    /// The number of the segment holding `sample_id` (which is in range).
-    fn segment_number(&self, sample_id: u64) -> usize {
         match self.segments.as_slice() {
-            [_] => 0,
-            all => all.partition_point(|s| s.first <= sample_id) - 1,
+            [only] => only,
+            all => &all[all.partition_point(|s| s.first <= sample_id) - 1],
         }
-    }
-
-    /// Whether this cache's records may be read with positioned reads: not for a cache
-    /// that fetches its files (another process may evict one and fetch it again under the
-    /// reader), nor one whose index predates format 5's locators.
-    pub fn reads_positioned(&self) -> Result<bool> {
-        if self.fetcher.is_some() {
-            return Ok(false);
-        }
-        for segment in &self.segments {
-            if self.index(segment)?.locator_at(0).is_none() {
-                return Ok(false);
-            }
-        }
-        Ok(true)
-    }
-
-    /// Record `sample_id`'s index entry, read from its index file with a positioned read
-    /// (a file of `files`), and checked as [`stored_span`](Self::stored_span) checks it
-    /// against its shard; with the numbers of its segment and shard.
-    pub fn located(
-        &self,
-        files: &PositionedFiles,
-        sample_id: u64,
-    ) -> Result<(Location, usize, u32)> {
-        self.check_sample(sample_id)?;
-        let number = self.segment_number(sample_id);
-        let segment = &self.segments[number];
-        let index = self.index(segment)?;
-        let path = self.dir.join(&segment.index_file);
-        let loc = match (
-            index.locator_at(sample_id - segment.first),
-            files.file(FileKey::Index(number), &path, index.mapping())?,
-        ) {
-            (Some(at), Some(file)) => {
-                let mut row = [0u8; LOCATOR_LEN];
-                if !read_exact_at(&file, &mut row, at, &path)? {
-                    self.poison();
-                    return Err(self.shrank());
-                }
-                Location::decode(&row)
-            }
-            // Replaced since it was mapped: the mapping is what the reader opened.
-            _ => index.location(sample_id - segment.first),
-        };
-        let shard = self.shard_named(segment, sample_id, &loc)?;
-        check_bounds(shard, sample_id, &loc, shard.size)?;
-        Ok((loc, number, loc.shard))
-    }
-
-    /// Reads the stored bytes of record `sample_id`, which [`located`](Self::located) found at
-    /// `located`, into `out` (as long as the record) with a positioned read of its shard (a
-    /// file of `files`). A shard that no longer holds them (truncated) is an error, and the
-    /// cache stops serving reads. Where the shard's file was replaced since it was mapped,
-    /// copies them from the mapping, and so must run in a guarded section.
-    pub fn read_stored(
-        &self,
-        files: &PositionedFiles,
-        sample_id: u64,
-        located: (Location, usize, u32),
-        out: &mut [u8],
-    ) -> Result<()> {
-        let (loc, segment, number) = located;
-        let shard = &self.segments[segment].shards[number as usize];
-        let mapped = self.mapping(shard)?;
-        let Some(file) = files.file(FileKey::Shard(segment, number), &shard.path, mapped)? else {
-            let (span, _) = self.stored_span(sample_id, false)?;
-            out.copy_from_slice(span.bytes());
-            return Ok(());
-        };
-        if !read_exact_at(&file, out, loc.offset, &shard.path)? {
-            self.poison();
-            return Err(self.shrank());
-        }
-        Ok(())
     }
 
     /// Asks the processor to load the index entry of `sample_id`, which a read of it will
@@ -500,8 +366,8 @@ impl CacheReader {
         Ok(())
     }
 
-    /// Refuses a read of `sample_id` once the cache stopped serving, or out of range.
-    fn check_sample(&self, sample_id: u64) -> Result<()> {
+    /// Record `sample_id`'s index entry and shard, not yet mapped.
+    fn shard_of(&self, sample_id: u64) -> Result<(Location, &Shard)> {
         self.check_usable()?;
         if sample_id >= self.len() {
             return Err(Error::SampleOutOfRange {
@@ -510,17 +376,8 @@ impl CacheReader {
                 name: self.manifest.name.clone(),
             });
         }
-        Ok(())
-    }
-
-    /// The shard of `segment` that `loc`, record `sample_id`'s index entry, names.
-    fn shard_named<'a>(
-        &self,
-        segment: &'a Segment,
-        sample_id: u64,
-        loc: &Location,
-    ) -> Result<&'a Shard> {
-        segment.shards.get(loc.shard as usize).ok_or_else(|| {
+        let (loc, segment) = self.location(sample_id)?;
+        let shard = segment.shards.get(loc.shard as usize).ok_or_else(|| {
             Error::corrupt(
                 self.dir.join(&segment.index_file),
                 format!(
@@ -529,20 +386,22 @@ impl CacheReader {
                     segment.shards.len()
                 ),
             )
-        })
-    }
-
-    /// Record `sample_id`'s index entry and shard, not yet mapped.
-    fn shard_of(&self, sample_id: u64) -> Result<(Location, &Shard)> {
-        self.check_sample(sample_id)?;
-        let (loc, segment) = self.location(sample_id)?;
-        Ok((loc, self.shard_named(segment, sample_id, &loc)?))
+        })?;
+        Ok((loc, shard))
     }
 
     fn checked_location(&self, sample_id: u64) -> Result<(Location, &Shard, &Arc<MappedFile>)> {
         let (loc, shard) = self.shard_of(sample_id)?;
         let map = self.mapping(shard)?;
-        check_bounds(shard, sample_id, &loc, map.len() as u64)?;
+        let end = loc.offset.checked_add(loc.length);
+        crate::ensure_intact!(
+            loc.offset >= SHARD_HEADER_LEN && end.is_some_and(|e| e <= map.len() as u64),
+            &shard.path,
+            "sample_id {sample_id} spans bytes {}..{} beyond the shard's {} bytes",
+            loc.offset,
+            loc.offset.saturating_add(loc.length),
+            map.len()
+        );
         if map.shrank() {
             // A view of this shard read past its new end: some of its pages are zeros now.
             self.poison();
@@ -585,16 +444,6 @@ impl CacheReader {
             Some(len.map_err(|why| damaged(shard, sample_id, &why))?)
         };
         Ok((Span::new(map.clone(), start, end), decoded))
-    }
-
-    /// The length record `sample_id` decodes to from its `stored` bytes; `None` for an
-    /// uncompressed cache, whose records are read as they are stored.
-    pub fn decoded_len(&self, sample_id: u64, stored: &[u8]) -> Result<Option<usize>> {
-        if self.codec.is_none() {
-            return Ok(None);
-        }
-        let len = self.codec.decoded_len(stored);
-        Ok(Some(len.map_err(|why| self.damaged(sample_id, &why))?))
     }
 
     /// Record `sample_id`, whose stored bytes [`stored_span`](Self::stored_span) gave as
@@ -651,19 +500,6 @@ impl CacheReader {
 }
 
 /// The error for record `sample_id` of `shard`, which cannot be decoded for reason `why`.
-/// Checks that `loc`, record `sample_id`'s index entry, lies within `shard`, of `len` bytes.
-fn check_bounds(shard: &Shard, sample_id: u64, loc: &Location, len: u64) -> Result<()> {
-    let end = loc.offset.checked_add(loc.length);
-    crate::ensure_intact!(
-        loc.offset >= SHARD_HEADER_LEN && end.is_some_and(|e| e <= len),
-        &shard.path,
-        "sample_id {sample_id} spans bytes {}..{} beyond the shard's {len} bytes",
-        loc.offset,
-        loc.offset.saturating_add(loc.length),
-    );
-    Ok(())
-}
-
 fn damaged(shard: &Shard, sample_id: u64, why: &str) -> Error {
     Error::corrupt(&shard.path, format!("sample_id {sample_id}: {why}"))
 }

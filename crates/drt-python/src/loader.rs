@@ -490,7 +490,6 @@ pub struct PyPrefetcher {
     prefetcher: Option<Prefetcher>,
     opened: PyOpened,
     pid: u32,
-    positioned: bool,
 }
 
 /// The plan and caches an epoch's reader opened. A loader keeps its last epoch's, so that
@@ -542,11 +541,8 @@ impl Drop for PyPrefetcher {
 #[pymethods]
 impl PyPrefetcher {
     /// Starts reading batches `first, first + step, ...` of `schedule` of `epoch` on a native
-    /// thread. `positioned`: the reader ends with its epoch (a worker process's), and reads
-    /// sparse draws from large files with positioned reads instead of through mappings that
-    /// would last no longer (see `Source::positioned_where_sparse`).
+    /// thread.
     #[new]
-    #[pyo3(signature = (epoch, schedule, first, step, depth, *, positioned=false))]
     fn new(
         py: Python<'_>,
         epoch: &Epoch,
@@ -554,34 +550,19 @@ impl PyPrefetcher {
         first: u64,
         step: u64,
         depth: usize,
-        positioned: bool,
     ) -> PyResult<Self> {
         let schedule = schedule.inner;
-        let (prefetcher, opened, reads_positioned) = run(py, || {
-            let mut source = epoch.open(schedule)?;
-            let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
-            if positioned {
-                let per_batch = schedule.batch_positions(first).count() as u64;
-                let draws = numbers.clone().count() as u64 * per_batch;
-                source = source.positioned_where_sparse(draws)?;
-            }
+        let (prefetcher, opened) = run(py, || {
+            let source = epoch.open(schedule)?;
             let opened = PyOpened::of(&source);
-            let reads_positioned = source.positioned.is_some();
-            let prefetcher = Prefetcher::start(source, numbers, depth)?;
-            Ok((prefetcher, opened, reads_positioned))
+            let numbers = (first..schedule.num_batches()).step_by(step.max(1) as usize);
+            Ok((Prefetcher::start(source, numbers, depth)?, opened))
         })?;
         Ok(Self {
             prefetcher: Some(prefetcher),
             opened,
             pid: std::process::id(),
-            positioned: reads_positioned,
         })
-    }
-
-    /// Whether records are read with positioned reads rather than through mappings.
-    #[getter]
-    fn positioned(&self) -> bool {
-        self.positioned
     }
 
     /// What this epoch's reader opened, to keep after the epoch ends.
