@@ -85,11 +85,16 @@ pub fn write_plan(
 /// (None unless it holds token documents' lengths), after checking that it is a plan
 /// whose size matches its header (its checksum is `verify`'s to check).
 #[pyfunction]
-pub fn plan_rows(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u32, bool, Option<u64>)> {
-    run(py, || {
-        let plan = Plan::open(&path)?;
-        Ok((plan.rows(), plan.caches(), plan.weighted(), plan.tokens()))
-    })
+pub fn plan_rows(py: Python<'_>, path: PathBuf) -> PyResult<PlanFacts> {
+    run(py, || Ok(plan_facts(&Plan::open(&path)?)))
+}
+
+/// A plan's rows, caches, whether it draws by weight, and its tokens (if any).
+type PlanFacts = (u64, u32, bool, Option<u64>);
+
+/// What [`plan_rows`] and [`PyOpened`]'s `plan` say of `plan`.
+fn plan_facts(plan: &Plan) -> PlanFacts {
+    (plan.rows(), plan.caches(), plan.weighted(), plan.tokens())
 }
 
 /// Maps the plan at `path` and holds the mapping: the live version's plan, kept by the
@@ -522,9 +527,8 @@ impl PyOpened {
     /// The plan's rows, its caches, whether it draws by weight and its tokens (None unless
     /// it holds token documents' lengths), as [`plan_rows`] gives them.
     #[getter]
-    fn plan(&self) -> (u64, u32, bool, Option<u64>) {
-        let plan = &self.plan;
-        (plan.rows(), plan.caches(), plan.weighted(), plan.tokens())
+    fn plan(&self) -> PlanFacts {
+        plan_facts(&self.plan)
     }
 }
 
